@@ -1,0 +1,247 @@
+"""The model config: one typed dataclass filled from a checkpoint's config.json.
+
+Every layer of the project (export, kernels' shape checks, builder, runtime) reads model
+dimensions from here; derived values (head dims, softmax scale, RoPE frequencies, cache bytes
+per token) are computed once in ``__post_init__``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+import torch
+
+PAGE_SIZE = 64  # tokens per page; one page id indexes both the MLA pool and the indexer pool
+MLA_LATENT_DIM = 512 + 64  # [c_kv (kv_lora_rank) ; k_pe (qk_rope_head_dim)]
+FP8_E4M3_MAX = 448.0
+INDEX_K_ROW_BYTES = 128 + 4  # fp8 key + fp32 scale per token (index_head_dim = 128)
+
+SUPPORTED_MODEL_TYPES = ("deepseek_v32", "glm_moe_dsa")
+
+
+class ConfigError(ValueError):
+    """A checkpoint's config.json cannot be served: the message names the field and the fix."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    q_lora_rank: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    index_n_heads: int
+    index_head_dim: int
+    index_topk: int
+    first_k_dense_replace: int
+    intermediate_size: int
+    moe_intermediate_size: int
+    n_routed_experts: int
+    n_shared_experts: int
+    num_experts_per_tok: int
+    n_group: int
+    topk_group: int
+    routed_scaling_factor: float
+    norm_topk_prob: bool
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope_theta: float
+    rope_type: str  # "yarn" or "default"
+    rope_factor: float = 1.0
+    rope_original_max_position: int = 4096
+    rope_beta_fast: float = 32.0
+    rope_beta_slow: float = 1.0
+    rope_mscale: float = 1.0
+    rope_mscale_all_dim: float = 0.0
+    indexer_rope_interleave: bool = False  # V3.2: False (half-split); GLM: True
+    num_nextn_predict_layers: int = 0
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = 0
+    eos_token_id: tuple[int, ...] = (1,)
+    fp8_weight_block: tuple[int, int] | None = None  # [128, 128] for fp8 block checkpoints
+    fp8_scale_fmt: str | None = None  # "ue8m0" or None
+    # derived (filled in __post_init__)
+    qk_head_dim: int = field(init=False)
+    softmax_scale: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        problems = []
+        if self.model_type not in SUPPORTED_MODEL_TYPES:
+            problems.append(
+                f"model_type {self.model_type!r} is not supported; supported: {SUPPORTED_MODEL_TYPES}"
+            )
+        if self.kv_lora_rank + self.qk_rope_head_dim != MLA_LATENT_DIM:
+            problems.append(
+                f"kv_lora_rank + qk_rope_head_dim = {self.kv_lora_rank}+{self.qk_rope_head_dim}; "
+                f"the 576-byte latent cache needs 512+64"
+            )
+        if self.index_head_dim != 128:
+            problems.append(f"index_head_dim = {self.index_head_dim}; the indexer cache layout needs 128")
+        if self.index_topk <= 0:
+            problems.append(f"index_topk = {self.index_topk} must be positive")
+        if self.n_routed_experts % max(self.n_group, 1):
+            problems.append(f"n_routed_experts {self.n_routed_experts} not divisible by n_group {self.n_group}")
+        if self.rope_type not in ("yarn", "default"):
+            problems.append(f"rope type {self.rope_type!r} not supported (yarn, default)")
+        if problems:
+            raise ConfigError("config.json: " + "; ".join(problems))
+        object.__setattr__(self, "qk_head_dim", self.qk_nope_head_dim + self.qk_rope_head_dim)
+        scale = self.qk_head_dim**-0.5
+        if self.rope_type == "yarn" and self.rope_mscale_all_dim:
+            m = _yarn_get_mscale(self.rope_factor, self.rope_mscale_all_dim)
+            scale = scale * m * m
+        object.__setattr__(self, "softmax_scale", scale)
+
+    # ---------------------------------------------------------------- derived helpers
+    @property
+    def is_moe_layer(self) -> list[bool]:
+        return [i >= self.first_k_dense_replace for i in range(self.num_hidden_layers)]
+
+    def mla_cache_bytes_per_token(self, cache_mode: str) -> int:
+        """Bytes per token per layer of the MLA pool: 576 (fp8 raw layout) or 1152 (bf16)."""
+        return {"fp8": MLA_LATENT_DIM, "bf16": 2 * MLA_LATENT_DIM, "fp32": 4 * MLA_LATENT_DIM}[cache_mode]
+
+    def indexer_cache_bytes_per_token(self, cache_mode: str) -> int:
+        return {"fp8": INDEX_K_ROW_BYTES, "bf16": 2 * self.index_head_dim, "fp32": 4 * self.index_head_dim}[
+            cache_mode
+        ]
+
+    def cache_bytes_per_token(self, cache_mode: str) -> int:
+        """Both pools, all layers."""
+        per_layer = self.mla_cache_bytes_per_token(cache_mode) + self.indexer_cache_bytes_per_token(cache_mode)
+        return per_layer * self.num_hidden_layers
+
+    def rope_inv_freq(self) -> torch.Tensor:
+        """[qk_rope_head_dim // 2] fp32 frequencies, YaRN-corrected when rope_type == 'yarn'."""
+        dim = self.qk_rope_head_dim
+        base = self.rope_theta
+        inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+        if self.rope_type != "yarn":
+            return inv_freq.float()
+
+        def correction_dim(rot: float) -> float:
+            return (dim * math.log(self.rope_original_max_position / (rot * 2 * math.pi))) / (2 * math.log(base))
+
+        low = max(math.floor(correction_dim(self.rope_beta_fast)), 0)
+        high = min(math.ceil(correction_dim(self.rope_beta_slow)), dim - 1)
+        if low == high:
+            high += 0.001
+        ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+        extrapolation = 1 - ramp
+        inv_freq = inv_freq / self.rope_factor * (1 - extrapolation) + inv_freq * extrapolation
+        return inv_freq.float()
+
+    def rope_attention_scaling(self) -> float:
+        """cos/sin amplitude factor (1.0 for V3.2: mscale == mscale_all_dim)."""
+        if self.rope_type != "yarn":
+            return 1.0
+        return _yarn_get_mscale(self.rope_factor, self.rope_mscale) / _yarn_get_mscale(
+            self.rope_factor, self.rope_mscale_all_dim
+        )
+
+    # ---------------------------------------------------------------- (de)serialisation
+    @classmethod
+    def from_hf_dict(cls, d: dict) -> "ModelConfig":
+        def need(key: str):
+            if key not in d:
+                raise ConfigError(f"config.json: missing field {key!r}")
+            return d[key]
+
+        model_type = need("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ConfigError(
+                f"config.json: model_type {model_type!r} is not supported; supported: {SUPPORTED_MODEL_TYPES}"
+            )
+        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        rope_theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
+        eos = d.get("eos_token_id", 1)
+        eos = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
+        q = d.get("quantization_config") or {}
+        block = tuple(q["weight_block_size"]) if q.get("quant_method") == "fp8" and "weight_block_size" in q else None
+        kwargs = dict(
+            model_type=model_type,
+            vocab_size=need("vocab_size"),
+            hidden_size=need("hidden_size"),
+            num_hidden_layers=need("num_hidden_layers"),
+            num_attention_heads=need("num_attention_heads"),
+            q_lora_rank=need("q_lora_rank"),
+            kv_lora_rank=need("kv_lora_rank"),
+            qk_nope_head_dim=need("qk_nope_head_dim"),
+            qk_rope_head_dim=need("qk_rope_head_dim"),
+            v_head_dim=need("v_head_dim"),
+            index_n_heads=need("index_n_heads"),
+            index_head_dim=need("index_head_dim"),
+            index_topk=need("index_topk"),
+            first_k_dense_replace=d.get("first_k_dense_replace", 0),
+            intermediate_size=need("intermediate_size"),
+            moe_intermediate_size=need("moe_intermediate_size"),
+            n_routed_experts=need("n_routed_experts"),
+            n_shared_experts=d.get("n_shared_experts", 0) or 0,
+            num_experts_per_tok=need("num_experts_per_tok"),
+            n_group=d.get("n_group", 1) or 1,
+            topk_group=d.get("topk_group", 1) or 1,
+            routed_scaling_factor=float(d.get("routed_scaling_factor", 1.0)),
+            norm_topk_prob=bool(d.get("norm_topk_prob", True)),
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=need("max_position_embeddings"),
+            rope_theta=float(rope_theta),
+            rope_type=rope_type,
+            rope_factor=float(rope.get("factor", 1.0)),
+            rope_original_max_position=int(rope.get("original_max_position_embeddings", 4096)),
+            rope_beta_fast=float(rope.get("beta_fast", 32.0)),
+            rope_beta_slow=float(rope.get("beta_slow", 1.0)),
+            rope_mscale=float(rope.get("mscale", 1.0)),
+            rope_mscale_all_dim=float(rope.get("mscale_all_dim", 0.0)),
+            # HF hard-codes the indexer RoPE layout per class: V3.2 half-split, GLM interleaved.
+            indexer_rope_interleave=bool(d.get("indexer_rope_interleave", model_type == "glm_moe_dsa")),
+            num_nextn_predict_layers=d.get("num_nextn_predict_layers", 0) or 0,
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_id=eos,
+            fp8_weight_block=block,
+            fp8_scale_fmt=q.get("scale_fmt") if block else None,
+        )
+        return cls(**kwargs)
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> "ModelConfig":
+        path = Path(path)
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.is_file():
+            raise ConfigError(f"{path}: no config.json; point at a Hugging Face checkpoint directory")
+        try:
+            d = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path}: not valid JSON ({e})") from e
+        return cls.from_hf_dict(d)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        for f in fields(self):
+            if not f.init:
+                d.pop(f.name)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "ModelConfig":
+        d = dict(d)
+        for key in ("eos_token_id", "fp8_weight_block"):
+            if d.get(key) is not None:
+                d[key] = tuple(d[key])
+        return cls(**d)
+
+
+def _yarn_get_mscale(scale: float, mscale: float) -> float:
+    if scale <= 1:
+        return 1.0
+    return 0.1 * mscale * math.log(scale) + 1.0
