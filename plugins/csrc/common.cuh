@@ -1,0 +1,93 @@
+// DSA-TRT kernel library: shared helpers of the .cu files (error reporting, dispatch).
+//
+// Small and stable on purpose; every plugins/csrc/*.cu includes it.
+//
+//   dsa_set_error(code, fmt, ...)        record a printf-formatted message for
+//                                        dsa_last_error_message() (thread-local) and return code.
+//   DSA_CHECK_ARG(cond, fmt, ...)        if !cond: return DSA_ERR_INVALID_ARG with the message.
+//   DSA_CHECK_SUPPORTED(cond, fmt, ...)  if !cond: return DSA_ERR_UNSUPPORTED with the message.
+//   DSA_CUDA_CHECK(call)                 CUDA runtime call; on error return DSA_ERR_CUDA.
+//   DSA_CUDA_CHECK_LAUNCH()              after a <<<>>> launch: cudaGetLastError -> DSA_ERR_CUDA.
+//   DSA_DISPATCH_INT2/INT4(op, name, value, CONST, A, B[, C, D], stmts...)
+//                                        switch on a runtime int; in the matching case
+//                                        `constexpr int CONST = value` and stmts run; any other
+//                                        value returns DSA_ERR_UNSUPPORTED naming it, e.g.
+//                                        "indexer_logits: num_heads=48 unsupported (32, 64)".
+//   DSA_DISPATCH_FORMAT(op, value, CONST, stmts...)  the same over DsaCacheFormat (fp8, bf16).
+//
+// The dispatch macros `return` from the enclosing launcher on an unsupported value, so use them
+// only in functions returning int (a DsaStatus). stmts usually end with `break;`-free code such as
+// `return launch<CONST>(p, stream);`.
+#pragma once
+
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+#include "dsa_kernels.h"
+
+#if defined(__GNUC__)
+#define DSA_PRINTF_FMT(a, b) __attribute__((format(printf, a, b)))
+#else
+#define DSA_PRINTF_FMT(a, b)
+#endif
+
+// Defined in errors.cu (C++ linkage, internal to the library).
+int dsa_set_error(int code, const char* fmt, ...) DSA_PRINTF_FMT(2, 3);
+
+#define DSA_CHECK_ARG(cond, ...)                                   \
+  do {                                                             \
+    if (!(cond)) return dsa_set_error(DSA_ERR_INVALID_ARG, __VA_ARGS__); \
+  } while (0)
+
+#define DSA_CHECK_SUPPORTED(cond, ...)                             \
+  do {                                                             \
+    if (!(cond)) return dsa_set_error(DSA_ERR_UNSUPPORTED, __VA_ARGS__); \
+  } while (0)
+
+#define DSA_CUDA_CHECK(call)                                                                \
+  do {                                                                                      \
+    cudaError_t dsa_e_ = (call);                                                            \
+    if (dsa_e_ != cudaSuccess)                                                              \
+      return dsa_set_error(DSA_ERR_CUDA, "%s: %s failed: %s", __func__, #call,              \
+                           cudaGetErrorString(dsa_e_));                                     \
+  } while (0)
+
+#define DSA_CUDA_CHECK_LAUNCH()                                                             \
+  do {                                                                                      \
+    cudaError_t dsa_e_ = cudaGetLastError();                                                \
+    if (dsa_e_ != cudaSuccess)                                                              \
+      return dsa_set_error(DSA_ERR_CUDA, "%s: kernel launch failed: %s", __func__,          \
+                           cudaGetErrorString(dsa_e_));                                     \
+  } while (0)
+
+#define DSA_DISPATCH_INT2(op, name, value, CONST, A, B, ...)                                \
+  switch (value) {                                                                          \
+    case (A): { constexpr int CONST = (A); __VA_ARGS__; } break;                            \
+    case (B): { constexpr int CONST = (B); __VA_ARGS__; } break;                            \
+    default:                                                                                \
+      return dsa_set_error(DSA_ERR_UNSUPPORTED, "%s: %s=%d unsupported (%d, %d)", op, name, \
+                           (int)(value), (A), (B));                                         \
+  }
+
+#define DSA_DISPATCH_INT4(op, name, value, CONST, A, B, C, D, ...)                          \
+  switch (value) {                                                                          \
+    case (A): { constexpr int CONST = (A); __VA_ARGS__; } break;                            \
+    case (B): { constexpr int CONST = (B); __VA_ARGS__; } break;                            \
+    case (C): { constexpr int CONST = (C); __VA_ARGS__; } break;                            \
+    case (D): { constexpr int CONST = (D); __VA_ARGS__; } break;                            \
+    default:                                                                                \
+      return dsa_set_error(DSA_ERR_UNSUPPORTED, "%s: %s=%d unsupported (%d, %d, %d, %d)",   \
+                           op, name, (int)(value), (A), (B), (C), (D));                     \
+  }
+
+#define DSA_DISPATCH_FORMAT(op, value, CONST, ...)                                          \
+  switch (value) {                                                                          \
+    case DSA_CACHE_FP8: { constexpr int CONST = DSA_CACHE_FP8; __VA_ARGS__; } break;        \
+    case DSA_CACHE_BF16: { constexpr int CONST = DSA_CACHE_BF16; __VA_ARGS__; } break;      \
+    default:                                                                                \
+      return dsa_set_error(DSA_ERR_UNSUPPORTED,                                             \
+                           "%s: format=%d unsupported (0 = DSA_CACHE_FP8, 1 = DSA_CACHE_BF16)", \
+                           op, (int)(value));                                               \
+  }
+
+static inline int64_t dsa_ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
