@@ -1,0 +1,215 @@
+"""Our DSA inference network over packed tokens and paged caches (DESIGN §2, spec §3-4).
+
+One forward = one engine step: T packed tokens of B sequences (see runtime/step_inputs.py), the
+per-layer MLA and indexer pools as inputs that the cache-write ops update in place, logits for
+the rows in ``logits_indices``. The DSA operators are ``torch.ops.dsa.*`` custom ops, so
+torch.export keeps them as single nodes (TensorRT plugins / our CUDA kernels downstream).
+
+Two programs come from this module:
+* sparse (``dense_prefill=False``): indexer -> top-k -> absorbed sparse MLA; valid for any step.
+* dense prefill (``dense_prefill=True``): MHA-form causal attention within each sequence; exact
+  only when every sequence starts at 0 and is <= index_topk long (top-k would select all keys).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import dsa_trt.plugins.ops  # noqa: F401  (registers torch.ops.dsa.*)
+from dsa_trt.config import ModelConfig
+from dsa_trt.plugins.reference import quant_fp8_pow2
+
+from .layers import (
+    MoE,
+    IndexerKNorm,
+    RMSNorm,
+    SwiGLU,
+    hadamard_matrix,
+    linear,
+    rope_cos_sin,
+    rope_half_split,
+    rope_interleaved,
+)
+
+CACHE_MODES = ("fp8", "bf16", "fp32")
+
+
+class Indexer(nn.Module):
+    """Lightning indexer (spec §3.3): q from c_q, k = LayerNorm(x Wk), RoPE on the first 64 dims."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+        super().__init__()
+        self.cfg = cfg
+        self.wq_b = linear(cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim, dtype)
+        self.wk = linear(cfg.hidden_size, cfg.index_head_dim, dtype)
+        self.k_norm = IndexerKNorm(cfg.index_head_dim)
+        # stored bf16, applied in fp32 to fp32 x (spec §8.5)
+        self.weights_proj = nn.Linear(cfg.hidden_size, cfg.index_n_heads, bias=False, dtype=torch.float32)
+        self.weights_proj.weight.requires_grad_(False)
+        self.register_buffer("hadamard", hadamard_matrix(cfg.index_head_dim), persistent=False)
+
+    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        r = self.cfg.qk_rope_head_dim
+        rope = rope_interleaved if self.cfg.indexer_rope_interleave else rope_half_split
+        return torch.cat([rope(x[..., :r], cos, sin), x[..., r:]], dim=-1)
+
+    def forward(self, x, c_q, cos, sin, slot_mapping, pool, page_table, req_idx, seq_lens, fp8: bool):
+        cfg = self.cfg
+        num_tokens = x.shape[0]
+        q = self.wq_b(c_q).view(num_tokens, cfg.index_n_heads, cfg.index_head_dim)
+        k = self.k_norm(self.wk(x))
+        q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
+        # Hadamard rotation: orthogonal, so q.k is unchanged; it spreads outliers before fp8.
+        q = (q.float() @ self.hadamard).to(q.dtype)
+        k = (k.float() @ self.hadamard).to(k.dtype)
+        torch.ops.dsa.indexer_k_cache_write(k, slot_mapping, pool)
+        w = self.weights_proj(x.float()) * (cfg.index_n_heads**-0.5 * cfg.index_head_dim**-0.5)
+        if fp8:
+            q, q_scale = quant_fp8_pow2(q)  # one power-of-two scale per (token, head)
+            w = w * q_scale
+        logits = torch.ops.dsa.indexer_logits(q, w, pool, page_table, req_idx, seq_lens)
+        return torch.ops.dsa.topk_translate(logits, seq_lens, page_table, req_idx, cfg.index_topk)
+
+
+class DSAAttention(nn.Module):
+    """MLA with DSA (spec §3). Sparse path in the absorbed (MQA) form over the 576-d latent cache."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, num_heads: int | None = None):
+        super().__init__()
+        self.cfg = cfg
+        self.num_heads = num_heads or cfg.num_attention_heads  # local heads (tensor parallel)
+        h = self.num_heads
+        self.q_a_proj = linear(cfg.hidden_size, cfg.q_lora_rank, dtype)
+        self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, 1e-6)
+        self.q_b_proj = linear(cfg.q_lora_rank, h * cfg.qk_head_dim, dtype)
+        self.kv_a_proj_with_mqa = linear(cfg.hidden_size, cfg.kv_lora_rank + cfg.qk_rope_head_dim, dtype)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, 1e-6)
+        self.kv_b_proj = linear(cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim), dtype)
+        self.o_proj = linear(h * cfg.v_head_dim, cfg.hidden_size, dtype)
+        self.indexer = Indexer(cfg, dtype)
+        self.kv_scale = 1.0  # per-layer MLA cache scale (fp8 mode), set from calibration
+
+    def forward(self, x, cos, sin, meta: dict, mla_pool, index_pool, cache_mode: str, dense: bool):
+        cfg, h = self.cfg, self.num_heads
+        num_tokens = x.shape[0]
+        c_q = self.q_a_layernorm(self.q_a_proj(x))
+        q = self.q_b_proj(c_q).view(num_tokens, h, cfg.qk_head_dim)
+        q_nope, q_pe = q[..., : cfg.qk_nope_head_dim], q[..., cfg.qk_nope_head_dim :]
+        q_pe = rope_interleaved(q_pe, cos, sin)
+        kv = self.kv_a_proj_with_mqa(x)
+        c_kv = self.kv_a_layernorm(kv[:, : cfg.kv_lora_rank])
+        k_pe = rope_interleaved(kv[:, cfg.kv_lora_rank :], cos, sin)
+        torch.ops.dsa.mla_cache_write(c_kv, k_pe, meta["slot_mapping"], mla_pool, self.kv_scale)
+
+        w_kvb = self.kv_b_proj.weight.view(h, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
+        w_uk, w_uv = w_kvb[:, : cfg.qk_nope_head_dim], w_kvb[:, cfg.qk_nope_head_dim :]
+        if dense:
+            # Keys of this step only (no past), so the indexer keys are written but not scored.
+            torch.ops.dsa.indexer_k_cache_write(self._index_k(x, cos, sin), meta["slot_mapping"], index_pool)
+            out = self._dense_mha(q_nope, q_pe, c_kv, k_pe, w_kvb, meta)  # [T, H, v]
+        else:
+            slots = self.indexer(
+                x, c_q, cos, sin, meta["slot_mapping"], index_pool, meta["page_table"], meta["req_idx"],
+                meta["seq_lens"], cache_mode == "fp8",
+            )
+            q_lat = torch.einsum("thd,hdc->thc", q_nope, w_uk)  # [T, H, 512]
+            q_abs = torch.cat([q_lat, q_pe], dim=-1)  # [T, H, 576]
+            o_lat, _ = torch.ops.dsa.sparse_mla(q_abs, mla_pool, slots, self.kv_scale, cfg.softmax_scale)
+            out = torch.einsum("thc,hvc->thv", o_lat.to(x.dtype), w_uv)  # [T, H, v]
+        return self.o_proj(out.reshape(num_tokens, h * cfg.v_head_dim))
+
+    def _index_k(self, x, cos, sin):
+        ix = self.indexer
+        k = ix._rope(ix.k_norm(ix.wk(x)), cos, sin)
+        return (k.float() @ ix.hadamard).to(k.dtype)
+
+    def _dense_mha(self, q_nope, q_pe, c_kv, k_pe, w_kvb, meta):
+        """Causal attention within each sequence of the step, MHA form (per-head 192-d q/k)."""
+        cfg, h = self.cfg, self.num_heads
+        num_tokens = q_nope.shape[0]
+        kv = torch.einsum("tc,hdc->thd", c_kv, w_kvb)  # [T, H, nope + v]
+        k_nope, v = kv[..., : cfg.qk_nope_head_dim], kv[..., cfg.qk_nope_head_dim :]
+        k = torch.cat([k_nope, k_pe.unsqueeze(1).expand(num_tokens, h, cfg.qk_rope_head_dim)], dim=-1)
+        q = torch.cat([q_nope, q_pe], dim=-1)
+        req, pos = meta["req_idx"], meta["positions"]
+        mask = (req[:, None] == req[None, :]) & (pos[:, None] >= pos[None, :])  # [T, T]
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=cfg.softmax_scale
+        )
+        return out.transpose(0, 1)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, dtype: torch.dtype):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = DSAAttention(cfg, dtype)
+        if layer_idx < cfg.first_k_dense_replace:
+            self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, dtype)
+        else:
+            self.mlp = MoE(cfg, dtype)
+
+    def forward(self, h, cos, sin, meta, mla_pool, index_pool, cache_mode, dense):
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, meta, mla_pool, index_pool, cache_mode, dense)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DSAModelBody(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList([DecoderLayer(cfg, i, dtype) for i in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class DSAForCausalLM(nn.Module):
+    """Parameter names equal the HF checkpoint's (``model.layers.0.self_attn.q_a_proj.weight``...)."""
+
+    def __init__(self, cfg: ModelConfig, cache_mode: str = "bf16", dtype: torch.dtype = torch.bfloat16,
+                 dense_prefill: bool = False):
+        super().__init__()
+        if cache_mode not in CACHE_MODES:
+            raise ValueError(f"cache_mode {cache_mode!r} not in {CACHE_MODES}")
+        self.cfg, self.cache_mode, self.dtype, self.dense_prefill = cfg, cache_mode, dtype, dense_prefill
+        self.model = DSAModelBody(cfg, dtype)
+        self.lm_head = linear(cfg.hidden_size, cfg.vocab_size, dtype)
+        self.register_buffer("inv_freq", cfg.rope_inv_freq(), persistent=False)
+
+    def set_kv_scales(self, scales: list[float]) -> None:
+        for layer, s in zip(self.model.layers, scales, strict=True):
+            layer.self_attn.kv_scale = float(s)
+
+    def forward(self, input_ids, positions, req_idx, page_table, slot_mapping, logits_indices,
+                mla_pools: list[torch.Tensor], index_pools: list[torch.Tensor]) -> torch.Tensor:
+        cos, sin = rope_cos_sin(positions, self.inv_freq, self.cfg.rope_attention_scaling())
+        meta = {
+            "positions": positions,
+            "req_idx": req_idx,
+            "page_table": page_table,
+            "slot_mapping": slot_mapping,
+            "seq_lens": (positions + 1).to(torch.int32),  # causal: keys [0, pos] of own sequence
+        }
+        h = self.model.embed_tokens(input_ids)
+        for layer, mla_pool, index_pool in zip(self.model.layers, mla_pools, index_pools):
+            h = layer(h, cos, sin, meta, mla_pool, index_pool, self.cache_mode, self.dense_prefill)
+        h = self.model.norm(h[logits_indices])
+        return F.linear(h.float(), self.lm_head.weight.float())  # lm_head in fp32 (spec §6)
+
+
+def allocate_pools(cfg: ModelConfig, cache_mode: str, num_pages: int, device="cpu", num_layers: int | None = None):
+    """Per-layer (mla_pools, index_pools); one page id indexes both pools of every layer."""
+    from dsa_trt.config import INDEX_K_ROW_BYTES, MLA_LATENT_DIM, PAGE_SIZE
+
+    n = cfg.num_hidden_layers if num_layers is None else num_layers
+    if cache_mode == "fp8":
+        mla = [torch.zeros(num_pages, PAGE_SIZE, MLA_LATENT_DIM, dtype=torch.uint8, device=device) for _ in range(n)]
+        idx = [torch.zeros(num_pages, PAGE_SIZE * INDEX_K_ROW_BYTES, dtype=torch.uint8, device=device) for _ in range(n)]
+    else:
+        dt = {"bf16": torch.bfloat16, "fp32": torch.float32}[cache_mode]
+        mla = [torch.zeros(num_pages, PAGE_SIZE, MLA_LATENT_DIM, dtype=dt, device=device) for _ in range(n)]
+        idx = [torch.zeros(num_pages, PAGE_SIZE, cfg.index_head_dim, dtype=dt, device=device) for _ in range(n)]
+    return mla, idx
