@@ -1,0 +1,69 @@
+"""Checkpoint -> our network -> torch.export program (DESIGN §2).
+
+``build_network`` loads the (dequantised) checkpoint weights into DSAForCausalLM under their HF
+names; ``export_program`` traces one step with dynamic token count, batch, pages and pool size.
+The same ExportedProgram feeds AOTInductor (here) and the ONNX/TensorRT path (builder).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.export import Dim, ExportedProgram, export
+
+from dsa_trt.config import ModelConfig
+from dsa_trt.runtime.step_inputs import StepInputs
+
+from .checkpoint import Checkpoint
+from .network import DSAForCausalLM, allocate_pools
+
+
+def build_network(
+    ckpt: Checkpoint,
+    cache_mode: str,
+    dtype: torch.dtype,
+    kv_scales: list[float] | None = None,
+    dense_prefill: bool = False,
+    device: str | torch.device = "cpu",
+) -> DSAForCausalLM:
+    """Our network with the checkpoint's weights (fp8 blocks dequantised), in eval mode."""
+    cfg = ckpt.config
+    with torch.device("meta"):
+        net = DSAForCausalLM(cfg, cache_mode=cache_mode, dtype=dtype, dense_prefill=dense_prefill)
+    state = {}
+    for name, param in net.state_dict().items():
+        state[name] = ckpt.get(name, dtype=param.dtype).to(device)
+    net.load_state_dict(state, strict=True, assign=True)
+    # non-persistent buffers were created on meta: rebuild them on the target device
+    net.inv_freq = cfg.rope_inv_freq().to(device)
+    for layer in net.model.layers:
+        from .layers import hadamard_matrix
+
+        layer.self_attn.indexer.hadamard = hadamard_matrix(cfg.index_head_dim).to(device)
+    if kv_scales is not None:
+        net.set_kv_scales(kv_scales)
+    return net.eval()
+
+
+def example_step(cfg: ModelConfig, dense: bool, device="cpu") -> StepInputs:
+    """A small two-sequence step that exercises every branch while tracing."""
+    n = min(cfg.index_topk, 8) if dense else 24
+    seqs = [(list(range(2, 2 + n)), 0, [1]), (list(range(3, 3 + n // 2 + 1)), 0, [2])]
+    return StepInputs.build(seqs, cfg.index_topk, device=device)
+
+
+def export_program(net: DSAForCausalLM, max_num_tokens: int = 8192, max_batch: int = 256,
+                   max_pages_per_seq: int = 4096, device="cpu") -> ExportedProgram:
+    cfg = net.cfg
+    step = example_step(cfg, net.dense_prefill, device)
+    mla, idx = allocate_pools(cfg, net.cache_mode, 4, device=device)
+    tokens = Dim("tokens", min=1, max=max_num_tokens)
+    batch = Dim("batch", min=1, max=max_batch)
+    pages = Dim("pages_per_seq", min=1, max=max_pages_per_seq)
+    pool_pages = Dim("pool_pages", min=2, max=1 << 24)
+    rows = Dim("logit_rows", min=1, max=max_num_tokens)
+    pool_dims = [{0: pool_pages}] * cfg.num_hidden_layers
+    dynamic_shapes = (
+        {0: tokens}, {0: tokens}, {0: tokens}, {0: batch, 1: pages}, {0: tokens}, {0: rows}, pool_dims, pool_dims,
+    )
+    with torch.no_grad():
+        return export(net, step.as_tuple() + (mla, idx), dynamic_shapes=dynamic_shapes)

@@ -1,0 +1,78 @@
+"""Engines: one per rank, ``forward(step, mla_pools, index_pools) -> logits`` (DESIGN §5).
+
+``Engine.load(engine_dir)`` opens the compiled programs of an engine directory: the general
+(sparse) program and the dense-prefill program, picked per step by ``StepInputs.dense_prefill``.
+Both AOTInductor packages and TensorRT plans implement the same call; the eager network (the
+reference path, built by the builder) implements it too.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+import dsa_trt.plugins.ops  # noqa: F401  (registers torch.ops.dsa.* before any program loads)
+from dsa_trt.engine_config import EngineConfig, EngineDirError
+
+from .step_inputs import StepInputs
+
+Program = Callable[..., torch.Tensor]
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, sparse: Program, dense: Program | None, device: torch.device):
+        self.config = config
+        self.device = device
+        self._sparse = sparse
+        self._dense = dense
+
+    @classmethod
+    def load(cls, engine_dir: str | Path, rank: int = 0, device: str | None = None) -> "Engine":
+        engine_dir = Path(engine_dir)
+        cfg = EngineConfig.load(engine_dir)
+        dev = torch.device(device or cfg.device)
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise EngineDirError(
+                f"{engine_dir}: the engine was compiled for CUDA but this machine has no GPU; "
+                "rebuild it here with `make engine` (it compiles for the CPU when no GPU is present)"
+            )
+        if dev.type == "cuda":
+            from dsa_trt.plugins import cuda_ops
+
+            cuda_ops.load()
+        if cfg.compiler == "aoti":
+            sparse = _load_aoti(engine_dir / cfg.rank_file(rank))
+            dense = _load_aoti(engine_dir / cfg.rank_file(rank, dense=True))
+        elif cfg.compiler == "tensorrt":
+            from .tensorrt_engine import load_plan  # thin adapter; needs `import tensorrt`
+
+            sparse = load_plan(engine_dir, cfg, rank, dense=False)
+            dense = load_plan(engine_dir, cfg, rank, dense=True)
+        else:
+            raise EngineDirError(f"{engine_dir}: compiler {cfg.compiler!r} has no runtime loader")
+        return cls(cfg, sparse, dense, dev)
+
+    @torch.no_grad()
+    def forward(self, step: StepInputs, mla_pools: list[torch.Tensor], index_pools: list[torch.Tensor]) -> torch.Tensor:
+        program = self._dense if (step.dense_prefill and self._dense is not None) else self._sparse
+        return program(*step.as_tuple(), mla_pools, index_pools)
+
+
+def _load_aoti(path: Path) -> Program:
+    if not path.is_file():
+        raise EngineDirError(f"{path}: missing; rebuild the engine directory with `make engine`")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            return torch._inductor.aoti_load_package(str(path))
+        except Exception as e:  # noqa: BLE001 - a corrupt or foreign package: say which file
+            raise EngineDirError(f"{path}: cannot load this AOTInductor package ({type(e).__name__}: {e}); "
+                                 "it may come from another torch version or device: rebuild it") from e
+
+
+def eager_engine(net_sparse, net_dense, config: EngineConfig, device: torch.device) -> Engine:
+    """The reference path: the eager network wrapped as an Engine (same interface)."""
+    return Engine(config, net_sparse, net_dense, device)
