@@ -19,6 +19,7 @@ from torch import nn
 
 import dsa_trt.plugins.ops  # noqa: F401  (registers torch.ops.dsa.*)
 from dsa_trt.config import ModelConfig
+from dsa_trt.plugins.pools import allocate_pools  # noqa: F401  (re-exported for export/builder)
 from dsa_trt.plugins.reference import quant_fp8_pow2
 
 from .layers import (
@@ -198,18 +199,3 @@ class DSAForCausalLM(nn.Module):
             h = layer(h, cos, sin, meta, mla_pool, index_pool, self.cache_mode, self.dense_prefill)
         h = self.model.norm(h[logits_indices])
         return F.linear(h.float(), self.lm_head.weight.float())  # lm_head in fp32 (spec §6)
-
-
-def allocate_pools(cfg: ModelConfig, cache_mode: str, num_pages: int, device="cpu", num_layers: int | None = None):
-    """Per-layer (mla_pools, index_pools); one page id indexes both pools of every layer."""
-    from dsa_trt.config import INDEX_K_ROW_BYTES, MLA_LATENT_DIM, PAGE_SIZE
-
-    n = cfg.num_hidden_layers if num_layers is None else num_layers
-    if cache_mode == "fp8":
-        mla = [torch.zeros(num_pages, PAGE_SIZE, MLA_LATENT_DIM, dtype=torch.uint8, device=device) for _ in range(n)]
-        idx = [torch.zeros(num_pages, PAGE_SIZE * INDEX_K_ROW_BYTES, dtype=torch.uint8, device=device) for _ in range(n)]
-    else:
-        dt = {"bf16": torch.bfloat16, "fp32": torch.float32}[cache_mode]
-        mla = [torch.zeros(num_pages, PAGE_SIZE, MLA_LATENT_DIM, dtype=dt, device=device) for _ in range(n)]
-        idx = [torch.zeros(num_pages, PAGE_SIZE, cfg.index_head_dim, dtype=dt, device=device) for _ in range(n)]
-    return mla, idx

@@ -1,0 +1,205 @@
+"""`LLM(engine_dir).generate(prompts, params)`: the user-facing runtime API (DESIGN §5).
+
+One LLM drives one engine over the paged dual caches with continuous batching. ``step()`` runs
+one engine step and returns the per-request deltas, which ``generate`` (batch, outputs in input
+order), ``stream`` (a per-request iterator) and the Triton model build on. Thread-safe: requests
+can be added or cancelled from other threads while one thread steps.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import torch
+
+from dsa_trt.config import PAGE_SIZE
+from dsa_trt.plugins.pools import allocate_pools
+
+from .engine import Engine
+from .page_pool import PagePool
+from .sampling import SamplingParams, make_generator, sample
+from .scheduler import Request, Scheduler
+from .tokenizer import Tokenizer
+
+DEFAULT_CPU_PAGES = 512  # 32K tokens of cache on the CPU unless DSA_NUM_PAGES says otherwise
+DEFAULT_CACHE_FRACTION = 0.5  # of free GPU memory after the engine loads
+
+
+@dataclass
+class CompletionOutput:
+    request_id: str
+    prompt: str
+    prompt_token_ids: list[int]
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort" while None: still running
+    stop_reason: int | str | None = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class StepDelta:
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    output: CompletionOutput  # the request's state after this step
+
+
+class LLM:
+    def __init__(self, engine: str | Path | Engine, num_pages: int | None = None,
+                 cache_fraction: float | None = None, max_num_tokens: int | None = None, max_num_seqs: int = 256):
+        self.engine = engine if isinstance(engine, Engine) else Engine.load(engine)
+        cfg = self.engine.config
+        self.model_config = cfg.model
+        engine_dir = None if isinstance(engine, Engine) else Path(engine)
+        tok_path = (engine_dir / cfg.tokenizer) if engine_dir else Path(getattr(engine, "tokenizer_path"))
+        self.tokenizer = Tokenizer(tok_path, cfg.model.bos_token_id, cfg.model.eos_token_id)
+        self.device = self.engine.device
+        pages = self._num_pages(num_pages, cache_fraction)
+        self.pool = PagePool(pages)
+        self.mla_pools, self.index_pools = allocate_pools(cfg.model, cfg.cache_mode, pages, self.device)
+        self.max_model_len = min(cfg.model.max_position_embeddings, cfg.max_pages_per_seq * PAGE_SIZE)
+        self.scheduler = Scheduler(
+            self.pool, max_num_tokens=min(max_num_tokens or cfg.max_num_tokens, cfg.max_num_tokens),
+            max_num_seqs=min(max_num_seqs, cfg.max_batch), max_model_len=self.max_model_len,
+            index_topk=cfg.model.index_topk, eos_token_ids=cfg.model.eos_token_id,
+        )
+        self._outputs: dict[str, CompletionOutput] = {}
+        self._ids = itertools.count()
+        self._lock = threading.RLock()
+
+    # ---------------------------------------------------------------- sizing
+    def _num_pages(self, num_pages: int | None, fraction: float | None) -> int:
+        env = os.environ.get("DSA_NUM_PAGES")
+        if num_pages is None and env:
+            num_pages = int(env)
+        if num_pages is not None:
+            if num_pages < 2:
+                raise ValueError(f"num_pages={num_pages}: need at least 2 pages")
+            return num_pages
+        if self.device.type != "cuda":
+            return DEFAULT_CPU_PAGES
+        fraction = fraction or float(os.environ.get("DSA_CACHE_FRACTION", DEFAULT_CACHE_FRACTION))
+        if not 0 < fraction < 1:
+            raise ValueError(f"cache fraction {fraction} must be in (0, 1)")
+        free, _ = torch.cuda.mem_get_info(self.device)
+        return PagePool.from_memory(free, fraction, self.engine.config.cache_bytes_per_token).num_pages
+
+    @property
+    def tokens_that_fit(self) -> int:
+        return self.pool.num_pages * PAGE_SIZE
+
+    # ---------------------------------------------------------------- requests
+    def add_request(self, prompt: str | Sequence[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        params = params or SamplingParams()
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty: give at least one character")
+            ids = self.tokenizer.encode(prompt)
+            text = prompt
+        else:
+            ids = [int(t) for t in prompt]
+            bad = [t for t in ids if not 0 <= t < self.model_config.vocab_size]
+            if not ids or bad:
+                raise ValueError(f"prompt token ids must be non-empty and in [0, {self.model_config.vocab_size}): {bad[:5]}")
+            text = self.tokenizer.decode(ids)
+        with self._lock:
+            rid = request_id or f"req-{next(self._ids)}"
+            if rid in self._outputs:
+                raise ValueError(f"request id {rid!r} is already in use")
+            gen = make_generator(params.seed, self.device)
+            self.scheduler.add(rid, ids, params, generator=gen)
+            self._outputs[rid] = CompletionOutput(rid, text, ids, logprobs=[] if params.logprobs is not None else None)
+        return rid
+
+    def cancel(self, request_id: str) -> None:
+        with self._lock:
+            if self.scheduler.get(request_id) is not None:
+                self.scheduler.cancel(request_id)
+            out = self._outputs.get(request_id)
+            if out is not None and out.finish_reason is None:
+                out.finish_reason = "abort"
+
+    def has_unfinished(self) -> bool:
+        with self._lock:
+            return self.scheduler.has_unfinished()
+
+    def pop_output(self, request_id: str) -> CompletionOutput:
+        with self._lock:
+            return self._outputs.pop(request_id)
+
+    # ---------------------------------------------------------------- one engine step
+    def step(self) -> list[StepDelta]:
+        with self._lock:
+            step = self.scheduler.schedule()
+            if step is None:
+                return []
+            logits = self.engine.forward(step.inputs.to(self.device), self.mla_pools, self.index_pools)
+            rows = step.sample_rows.to(self.device)
+            out = sample(logits[rows], **step.sampling_args())
+            tokens = out.token_ids.tolist()
+            logps = out.logprobs.tolist() if out.logprobs is not None else None
+            reqs = step.sampling_requests
+            self.scheduler.update(step, tokens)
+            return [self._advance(r, tok, logps[i] if logps else None) for i, (r, tok) in enumerate(zip(reqs, tokens))]
+
+    def _advance(self, req: Request, token: int, logprob: float | None) -> StepDelta:
+        o = self._outputs[req.request_id]
+        o.token_ids.append(token)
+        if o.logprobs is not None and logprob is not None:
+            o.logprobs.append(logprob)
+        o.num_cached_tokens = req.num_cached_tokens
+        old_text = o.text
+        o.text = self.tokenizer.decode(o.token_ids)
+        for s in req.params.stop:
+            cut = o.text.find(s)
+            if cut >= 0:
+                o.text = o.text[:cut]
+                if not req.finished:
+                    self.scheduler.finish(req.request_id, "stop", stop_reason=s)
+                break
+        if req.finished and o.finish_reason is None:
+            o.finish_reason, o.stop_reason = req.finish_reason, req.stop_reason
+        new_text = o.text[len(old_text):] if o.text.startswith(old_text) else o.text
+        return StepDelta(req.request_id, [token], new_text, o)
+
+    # ---------------------------------------------------------------- batch and streaming APIs
+    def generate(self, prompts: str | Sequence[str], params: SamplingParams | Sequence[SamplingParams] | None = None
+                 ) -> list[CompletionOutput]:
+        """Outputs in the order of ``prompts``."""
+        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+        plist = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(f"{len(plist)} SamplingParams for {len(prompts)} prompts")
+        ids = [self.add_request(p, sp) for p, sp in zip(prompts, plist)]
+        pending = set(ids)
+        while pending:
+            if not self.step() and not self.has_unfinished():
+                break
+            pending = {i for i in pending if not self._outputs[i].finished}
+        return [self.pop_output(i) for i in ids]
+
+    def stream(self, prompt: str, params: SamplingParams | None = None) -> Iterator[StepDelta]:
+        """Yields one delta per generated token of this request (drives the engine itself)."""
+        rid = self.add_request(prompt, params)
+        try:
+            while True:
+                for d in self.step():
+                    if d.request_id == rid:
+                        yield d
+                out = self._outputs[rid]
+                if out.finished:
+                    return
+        finally:
+            self._outputs.pop(rid, None)
