@@ -118,7 +118,8 @@ class Scheduler:
         index_topk: int,
         eos_token_ids: Sequence[int] = (),
     ) -> None:
-        """max_num_tokens: token budget per step; index_topk: ModelConfig.index_topk (decides
+        """max_num_tokens: token budget per step (when more requests decode than it allows, the
+        oldest go first and the rest wait a step); index_topk: ModelConfig.index_topk (decides
         StepInputs.dense_prefill); eos_token_ids: ModelConfig.eos_token_id."""
         limits = dict(
             max_num_tokens=max_num_tokens, max_num_seqs=max_num_seqs, max_model_len=max_model_len, index_topk=index_topk
@@ -126,11 +127,6 @@ class Scheduler:
         for name, v in limits.items():
             if v < 1:
                 raise ValueError(f"Scheduler: {name}={v} must be >= 1")
-        if max_num_seqs > max_num_tokens:
-            raise ValueError(
-                f"Scheduler: max_num_seqs={max_num_seqs} > max_num_tokens={max_num_tokens}: a full decode "
-                f"batch would not fit one step's token budget"
-            )
         self.pool = pool
         self.max_num_tokens = max_num_tokens
         self.max_num_seqs = max_num_seqs

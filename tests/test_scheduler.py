@@ -245,8 +245,6 @@ def test_add_rejects_requests_that_can_never_be_served():
         sched.add("e", [1, 2], SamplingParams())
     with pytest.raises(ValueError, match="max_num_tokens=0"):
         Scheduler(PagePool(4), 0, 8, 1024, INDEX_TOPK)
-    with pytest.raises(ValueError, match="max_num_seqs=8 > max_num_tokens=4"):
-        Scheduler(PagePool(4), 4, 8, 1024, INDEX_TOPK)
 
 
 def test_preempted_request_goes_to_the_front_and_reuses_its_cached_pages():
@@ -267,3 +265,10 @@ def test_preempted_request_goes_to_the_front_and_reuses_its_cached_pages():
         assert new.state is sched.get("later").state is RequestState.WAITING
     run_step(sched, engine)
     assert new.num_cached_tokens == 2 * PAGE_SIZE and new.pages[:2] == pages_of_new[:2]
+
+
+def test_more_decoding_requests_than_the_budget_take_turns_oldest_first():
+    sched = make(num_pages=16, max_num_tokens=3, max_num_seqs=5)
+    reqs = [(f"r{i}", prompt(2, 20 + i), SamplingParams(temperature=0, max_tokens=4)) for i in range(5)]
+    want = run_all(make(num_pages=16), reqs)
+    assert run_all(sched, reqs) == want
