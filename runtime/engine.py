@@ -23,8 +23,10 @@ Program = Callable[..., torch.Tensor]
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, sparse: Program, dense: Program | None, device: torch.device):
+    def __init__(self, config: EngineConfig, sparse: Program, dense: Program | None, device: torch.device,
+                 tokenizer_path: Path | None = None):
         self.config = config
+        self.tokenizer_path = tokenizer_path
         self.device = device
         self._sparse = sparse
         self._dense = dense
@@ -53,7 +55,7 @@ class Engine:
             dense = load_plan(engine_dir, cfg, rank, dense=True)
         else:
             raise EngineDirError(f"{engine_dir}: compiler {cfg.compiler!r} has no runtime loader")
-        return cls(cfg, sparse, dense, dev)
+        return cls(cfg, sparse, dense, dev, engine_dir / cfg.tokenizer)
 
     @torch.no_grad()
     def forward(self, step: StepInputs, mla_pools: list[torch.Tensor], index_pools: list[torch.Tensor]) -> torch.Tensor:
@@ -73,6 +75,6 @@ def _load_aoti(path: Path) -> Program:
                                  "it may come from another torch version or device: rebuild it") from e
 
 
-def eager_engine(net_sparse, net_dense, config: EngineConfig, device: torch.device) -> Engine:
+def eager_engine(net_sparse, net_dense, config: EngineConfig, device: torch.device, tokenizer_path: Path) -> Engine:
     """The reference path: the eager network wrapped as an Engine (same interface)."""
-    return Engine(config, net_sparse, net_dense, device)
+    return Engine(config, net_sparse, net_dense, device, Path(tokenizer_path))

@@ -61,9 +61,9 @@ class LLM:
         self.engine = engine if isinstance(engine, Engine) else Engine.load(engine)
         cfg = self.engine.config
         self.model_config = cfg.model
-        engine_dir = None if isinstance(engine, Engine) else Path(engine)
-        tok_path = (engine_dir / cfg.tokenizer) if engine_dir else Path(getattr(engine, "tokenizer_path"))
-        self.tokenizer = Tokenizer(tok_path, cfg.model.bos_token_id, cfg.model.eos_token_id)
+        if self.engine.tokenizer_path is None:
+            raise ValueError("the engine has no tokenizer_path: load it with Engine.load(engine_dir)")
+        self.tokenizer = Tokenizer(self.engine.tokenizer_path, cfg.model.bos_token_id, cfg.model.eos_token_id)
         self.device = self.engine.device
         pages = self._num_pages(num_pages, cache_fraction)
         self.pool = PagePool(pages)
