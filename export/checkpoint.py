@@ -1,0 +1,379 @@
+"""Read a DeepSeek-V3.2 / GLM-5 Hugging Face checkpoint: validate it whole, then read it lazily.
+
+The layout is the one of MODEL.md §2: fp8 e4m3 Linears with a fp32 ``weight_scale_inv`` of
+[ceil(out/128), ceil(in/128)] blocks (the edge blocks may be partial), bf16 embeddings, router,
+indexer ``weights_proj`` and MTP ``eh_proj``/head, fp32 norms and biases; per-expert tensor names;
+the MTP layer stored as ``model.layers.{num_hidden_layers}``. A checkpoint without a
+``quantization_config`` has the same names, bf16 or fp32 everywhere and no scales.
+
+Only safetensors is read (no pickle). Opening a :class:`Checkpoint` reads the config, the shard
+index and every shard header, and reports every problem at once in one :class:`CheckpointError`;
+tensor data is read one tensor at a time with ``safe_open``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+from safetensors import safe_open
+
+from dsa_trt.config import FP8_E4M3_MAX, ConfigError, ModelConfig
+
+SCALE_SUFFIX = "_scale_inv"  # "<name>.weight" -> "<name>.weight_scale_inv"
+INDEX_FILE = "model.safetensors.index.json"
+TOKENIZER_FILE = "tokenizer.json"
+FP8_SCALE_AMAX_FLOOR = 1e-4  # keeps all-zero blocks from producing a zero scale (MODEL.md §7.3)
+
+FP8 = torch.float8_e4m3fn
+HIGH_PRECISION = (torch.bfloat16, torch.float32)  # any of these reads back exactly via get()
+NORM_DTYPES = (torch.float32, torch.bfloat16)  # fp32 first: the canonical dtype for norms/biases
+
+# safetensors header dtype names
+_DTYPE_OF_NAME = {
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "I32": torch.int32,
+    "I64": torch.int64,
+}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory cannot be served. ``problems`` holds one line per problem, each
+    naming the tensor, file or field and how to fix it."""
+
+    def __init__(self, path: Path, problems: list[str]) -> None:
+        self.path = path
+        self.problems = list(problems)
+        lines = "\n".join(f"  - {p}" for p in self.problems)
+        super().__init__(f"checkpoint {path}: {len(self.problems)} problem(s):\n{lines}")
+
+
+class TensorSpec(NamedTuple):
+    shape: tuple[int, ...]
+    dtypes: tuple[torch.dtype, ...]  # accepted dtypes; dtypes[0] is the canonical (written) one
+
+
+def scale_name(weight_name: str) -> str:
+    return weight_name + SCALE_SUFFIX
+
+
+def is_mtp_tensor(cfg: ModelConfig, name: str) -> bool:
+    """True for tensors of the MTP (next-n) layers, stored after the last decoder layer."""
+    parts = name.split(".")
+    if parts[:2] != ["model", "layers"] or not parts[2].isdigit():
+        return False
+    return int(parts[2]) >= cfg.num_hidden_layers
+
+
+# ---------------------------------------------------------------------------------- the layout
+def expected_tensors(cfg: ModelConfig) -> dict[str, TensorSpec]:
+    """Every tensor a checkpoint for ``cfg`` holds (MODEL.md §2), MTP layers included.
+
+    fp8 checkpoints (``cfg.fp8_weight_block`` set) store the quantizable Linears in e4m3 with a
+    fp32 block scale; everything else, and every tensor of a checkpoint without quantization,
+    may be bf16 or fp32."""
+    specs: dict[str, TensorSpec] = {}
+    block = cfg.fp8_weight_block
+
+    def linear(name: str, out_features: int, in_features: int, quantized: bool = True) -> None:
+        if block is None or not quantized:
+            specs[name] = TensorSpec((out_features, in_features), HIGH_PRECISION)
+            return
+        specs[name] = TensorSpec((out_features, in_features), (FP8,))
+        scale_shape = (math.ceil(out_features / block[0]), math.ceil(in_features / block[1]))
+        specs[scale_name(name)] = TensorSpec(scale_shape, (torch.float32,))
+
+    def vector(name: str, size: int) -> None:
+        specs[name] = TensorSpec((size,), NORM_DTYPES)
+
+    d, v = cfg.hidden_size, cfg.vocab_size
+    linear("model.embed_tokens.weight", v, d, quantized=False)
+    vector("model.norm.weight", d)
+    if not cfg.tie_word_embeddings:
+        linear("lm_head.weight", v, d, quantized=False)
+
+    for layer in range(cfg.num_hidden_layers + cfg.num_nextn_predict_layers):
+        p = f"model.layers.{layer}."
+        _attention_layer(cfg, p, linear, vector)
+        if layer >= cfg.first_k_dense_replace:
+            _moe_mlp(cfg, p + "mlp.", linear, vector)
+        else:
+            _swiglu(p + "mlp.", d, cfg.intermediate_size, linear)
+        if layer >= cfg.num_hidden_layers:  # MTP extras (MODEL.md §5)
+            vector(p + "enorm.weight", d)
+            vector(p + "hnorm.weight", d)
+            linear(p + "eh_proj.weight", d, 2 * d, quantized=False)
+            linear(p + "embed_tokens.weight", v, d, quantized=False)
+            vector(p + "shared_head.norm.weight", d)
+            linear(p + "shared_head.head.weight", v, d, quantized=False)
+    return specs
+
+
+def _attention_layer(cfg: ModelConfig, p: str, linear, vector) -> None:
+    d, h = cfg.hidden_size, cfg.num_attention_heads
+    vector(p + "input_layernorm.weight", d)
+    vector(p + "post_attention_layernorm.weight", d)
+    a = p + "self_attn."
+    linear(a + "q_a_proj.weight", cfg.q_lora_rank, d)
+    vector(a + "q_a_layernorm.weight", cfg.q_lora_rank)
+    linear(a + "q_b_proj.weight", h * cfg.qk_head_dim, cfg.q_lora_rank)
+    linear(a + "kv_a_proj_with_mqa.weight", cfg.kv_lora_rank + cfg.qk_rope_head_dim, d)  # [576, D]
+    vector(a + "kv_a_layernorm.weight", cfg.kv_lora_rank)
+    linear(a + "kv_b_proj.weight", h * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank)
+    linear(a + "o_proj.weight", d, h * cfg.v_head_dim)
+    i = a + "indexer."
+    linear(i + "wq_b.weight", cfg.index_n_heads * cfg.index_head_dim, cfg.q_lora_rank)
+    linear(i + "wk.weight", cfg.index_head_dim, d)
+    vector(i + "k_norm.weight", cfg.index_head_dim)
+    vector(i + "k_norm.bias", cfg.index_head_dim)
+    linear(i + "weights_proj.weight", cfg.index_n_heads, d, quantized=False)
+
+
+def _swiglu(p: str, d: int, width: int, linear) -> None:
+    linear(p + "gate_proj.weight", width, d)
+    linear(p + "up_proj.weight", width, d)
+    linear(p + "down_proj.weight", d, width)
+
+
+def _moe_mlp(cfg: ModelConfig, p: str, linear, vector) -> None:
+    d = cfg.hidden_size
+    linear(p + "gate.weight", cfg.n_routed_experts, d, quantized=False)
+    vector(p + "gate.e_score_correction_bias", cfg.n_routed_experts)
+    for e in range(cfg.n_routed_experts):
+        _swiglu(f"{p}experts.{e}.", d, cfg.moe_intermediate_size, linear)
+    if cfg.n_shared_experts:
+        _swiglu(p + "shared_experts.", d, cfg.n_shared_experts * cfg.moe_intermediate_size, linear)
+
+
+# ------------------------------------------------------------------------ fp8 block (de)quant
+def quantize_fp8_blockwise(
+    weight: torch.Tensor, block: tuple[int, int] = (128, 128), pow2_scales: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """MODEL.md §7.3 recipe: per-block amax / 448, rounded up to a power of two for ue8m0.
+
+    Returns (e4m3 weight [out, in], fp32 dequantization scale [ceil(out/bo), ceil(in/bi)])."""
+    out_features, in_features = weight.shape
+    bo, bi = block
+    rows, cols = math.ceil(out_features / bo), math.ceil(in_features / bi)
+    padded = torch.zeros(rows * bo, cols * bi, dtype=torch.float32)  # zeros leave amax unchanged
+    padded[:out_features, :in_features] = weight.float()
+    blocks = padded.view(rows, bo, cols, bi)
+    scale = blocks.abs().amax(dim=(1, 3)).clamp_min(FP8_SCALE_AMAX_FLOOR) / FP8_E4M3_MAX  # [rows, cols]
+    if pow2_scales:
+        scale = torch.exp2(torch.ceil(torch.log2(scale)))
+    q = (blocks / scale[:, None, :, None]).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(FP8)
+    return q.view(rows * bo, cols * bi)[:out_features, :in_features].contiguous(), scale
+
+
+def dequantize_fp8_blockwise(
+    weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] = (128, 128)
+) -> torch.Tensor:
+    """W[i, j] = W_fp8[i, j] * S[i // bo, j // bi] in fp32 (exact: e4m3 times a power of two)."""
+    out_features, in_features = weight.shape
+    bo, bi = block
+    # Broadcast per row-block instead of expanding S to [out, in]: one fp32 copy of W at 671B sizes.
+    col_scale = scale.float().repeat_interleave(bi, 1)[:, :in_features]  # [ceil(out/bo), in]
+    w = weight.float()  # [out, in]
+    whole = out_features // bo
+    w[: whole * bo].view(whole, bo, in_features).mul_(col_scale[:whole, None, :])
+    if whole * bo < out_features:  # partial edge block, e.g. kv_a's 576 = 4 * 128 + 64 rows
+        w[whole * bo :].mul_(col_scale[whole])
+    return w
+
+
+# ------------------------------------------------------------------------------ the reader
+class _Header(NamedTuple):
+    shard: Path
+    shape: tuple[int, ...]
+    dtype_name: str  # safetensors name, e.g. "F8_E4M3"
+
+
+class Checkpoint:
+    """A validated checkpoint directory, read lazily.
+
+    ``include_mtp=False``: the MTP layer is not needed, so missing MTP tensors are no error
+    (present ones are still validated) and ``names()`` leaves them out."""
+
+    def __init__(self, path: str | Path, include_mtp: bool = False) -> None:
+        self.path = Path(path)
+        self.include_mtp = include_mtp
+        self._handles: dict[Path, object] = {}  # shard -> open safe_open handle
+        problems: list[str] = []
+        self.config: ModelConfig = self._read_config(problems)  # type: ignore[assignment]
+        self.tokenizer_path = self.path / TOKENIZER_FILE
+        if not self.tokenizer_path.is_file():
+            problems.append(
+                f"no {TOKENIZER_FILE} in {self.path}: copy tokenizer.json (and tokenizer_config.json) "
+                "from the original model repository"
+            )
+        self._headers, reported = self._read_shards(problems)
+        if self.config is not None:
+            self._check_tensors(reported, problems)
+        if problems:
+            raise CheckpointError(self.path, problems)
+
+    # -------------------------------------------------------------------------- public
+    def names(self, include_scales: bool = False) -> list[str]:
+        """Sorted names of the tensors in scope; ``weight_scale_inv`` only when asked."""
+        return sorted(
+            n
+            for n in self._headers
+            if (include_scales or not n.endswith(SCALE_SUFFIX))
+            and (self.include_mtp or not is_mtp_tensor(self.config, n))
+        )
+
+    def is_fp8(self, name: str) -> bool:
+        return self._header(name).dtype_name == "F8_E4M3"
+
+    def raw(self, name: str) -> torch.Tensor:
+        """The tensor as stored (fp8 weights stay fp8; their scale is ``raw(scale_name(name))``)."""
+        header = self._header(name)
+        handle = self._handles.get(header.shard)
+        if handle is None:
+            handle = self._handles[header.shard] = safe_open(str(header.shard), framework="pt")
+        return handle.get_tensor(name)
+
+    def get(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The tensor in ``dtype``; fp8 weights are dequantized with their block scale first."""
+        if not self.is_fp8(name):
+            return self.raw(name).to(dtype)
+        block = self.config.fp8_weight_block
+        return dequantize_fp8_blockwise(self.raw(name), self.raw(scale_name(name)), block).to(dtype)
+
+    def close(self) -> None:
+        self._handles.clear()
+
+    def __enter__(self) -> Checkpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ---------------------------------------------------------------------- validation
+    def _header(self, name: str) -> _Header:
+        if name not in self._headers or (not self.include_mtp and is_mtp_tensor(self.config, name)):
+            raise KeyError(f"{name!r} is not a tensor of {self.path} (MTP tensors need include_mtp=True)")
+        return self._headers[name]
+
+    def _read_config(self, problems: list[str]) -> ModelConfig | None:
+        try:
+            return ModelConfig.from_json(self.path)
+        except ConfigError as e:
+            problems.append(f"{e} (the tensors were not checked against it)")
+            return None
+
+    def _shard_files(self, problems: list[str]) -> tuple[list[Path], dict[str, str] | None, dict[str, Path]]:
+        """(shard files that exist, the index's weight_map if any, tensor -> its missing shard)."""
+        index = self.path / INDEX_FILE
+        if not index.is_file():
+            shards = sorted(self.path.glob("*.safetensors"))
+            if not shards:
+                problems.append(f"no *.safetensors files and no {INDEX_FILE} in {self.path}")
+            return shards, None, {}
+        try:
+            weight_map: dict[str, str] = dict(json.loads(index.read_text())["weight_map"])
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as e:
+            problems.append(f"{INDEX_FILE} is unreadable or has no 'weight_map' ({e!r}); regenerate it")
+            return [], None, {}
+        present, missing_shard_of = [], {}
+        for file in sorted(set(weight_map.values())):
+            shard = self.path / file
+            if shard.is_file():
+                present.append(shard)
+                continue
+            names = sorted(n for n, f in weight_map.items() if f == file)
+            missing_shard_of.update((n, shard) for n in names)
+            problems.append(
+                f"shard file {file} is missing: {INDEX_FILE} maps {len(names)} tensor(s) to it "
+                f"(e.g. {names[0]}); download the file again"
+            )
+        return present, weight_map, missing_shard_of
+
+    def _read_shards(self, problems: list[str]) -> tuple[dict[str, _Header], set[str]]:
+        """Every stored tensor's header, and the names already reported through the index."""
+        shards, weight_map, missing_shard_of = self._shard_files(problems)
+        headers: dict[str, _Header] = {}
+        for shard in shards:
+            try:
+                with safe_open(str(shard), framework="pt") as f:
+                    for name in f.keys():
+                        view = f.get_slice(name)
+                        if name in headers:
+                            problems.append(
+                                f"tensor {name} is stored twice ({headers[name].shard.name} and "
+                                f"{shard.name}); remove one copy"
+                            )
+                        headers[name] = _Header(shard, tuple(view.get_shape()), view.get_dtype())
+            except Exception as e:  # safetensors raises its own error types for corrupt files
+                problems.append(f"shard {shard.name} is not a readable safetensors file ({e}); download it again")
+        if weight_map is None:
+            return headers, set()
+        for name, header in headers.items():
+            if weight_map.get(name) != header.shard.name:
+                problems.append(
+                    f"tensor {name} is in {header.shard.name} but {INDEX_FILE} maps it to "
+                    f"{weight_map.get(name)}; regenerate the index"
+                )
+        for name, file in weight_map.items():
+            if name not in headers and name not in missing_shard_of:
+                problems.append(
+                    f"missing tensor {name}: {INDEX_FILE} maps it to {file}, which does not hold it; "
+                    "download that shard again or regenerate the index"
+                )
+        return headers, set(weight_map) - set(headers)
+
+    def _check_tensors(self, reported: set[str], problems: list[str]) -> None:
+        cfg = self.config
+        specs = expected_tensors(cfg)
+        fmt = "an fp8 block-quantized" if cfg.fp8_weight_block else "an unquantized (no quantization_config)"
+        for name, spec in specs.items():
+            header = self._headers.get(name)
+            if header is None:
+                if name in reported:
+                    continue  # already reported with its shard or index entry
+                if not self.include_mtp and is_mtp_tensor(cfg, name):
+                    continue
+                if name.endswith(SCALE_SUFFIX):
+                    problems.append(
+                        f"missing weight_scale_inv {name} for fp8 weight {name.removesuffix(SCALE_SUFFIX)}: "
+                        f"config.json's quantization_config says every such Linear has a "
+                        f"{list(spec.shape)} fp32 block scale; re-export the weight with its scale"
+                    )
+                else:
+                    problems.append(
+                        f"missing tensor {name} ({list(spec.shape)}): config.json implies it; "
+                        "check that config.json belongs to these weights or re-export the checkpoint"
+                    )
+                continue
+            if header.shape != spec.shape:
+                problems.append(
+                    f"wrong shape for {name}: stored {list(header.shape)}, config.json implies "
+                    f"{list(spec.shape)}; config.json and the weights disagree"
+                )
+            dtype = _DTYPE_OF_NAME.get(header.dtype_name)
+            if dtype not in spec.dtypes:
+                problems.append(
+                    f"wrong dtype for {name}: stored {header.dtype_name}, {fmt} checkpoint stores it as "
+                    f"{' or '.join(_dtype_name(t) for t in spec.dtypes)}; re-export this tensor"
+                )
+        for name in sorted(set(self._headers) - set(specs)):
+            problems.append(
+                f"unexpected tensor {name} in {self._headers[name].shard.name}: not part of the "
+                f"{cfg.model_type} layout for this config.json (num_hidden_layers={cfg.num_hidden_layers}, "
+                f"num_nextn_predict_layers={cfg.num_nextn_predict_layers}, "
+                f"n_routed_experts={cfg.n_routed_experts}); check config.json or remove the tensor"
+            )
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return next(k for k, v in _DTYPE_OF_NAME.items() if v == dtype)
