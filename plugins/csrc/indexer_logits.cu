@@ -6,8 +6,9 @@
 // fp8 path (memory bound: 132 B of key per 2*H*128 FLOP). One CTA = one warpgroup (128 threads)
 // scores one query token against a run of up to 32 pages of its request. Per page the
 // warpgroup runs 4 x wgmma m64nHk32 e4m3 (QGMMA) with
-//   A = the page's 64 keys, loaded straight from global into registers (16-byte loads, two
-//       pages in flight), and
+//   A = the page's 64 keys in registers: each thread cp.async-copies its own 16-byte chunks into
+//       a 4-stage shared-memory ring (3 pages in flight per CTA, no block barriers) and reads
+//       them back as its A fragment, and
 //   B = the token's q [H, 128], staged once in shared memory (128-byte swizzle),
 // so the accumulator holds [64 keys x H heads]: the head reduction is 16 in-thread FMAs per
 // key row plus two shuffles. The K dimension is permuted (the dot product does not care): a
@@ -27,21 +28,7 @@ namespace {
 constexpr int kThreads = 128;           // one warpgroup
 constexpr int kMaxPagesPerCta = 32;     // page ids of a CTA live in one warp's lanes
 constexpr int kIndexKeyBytes = DSA_PAGE_SIZE * DSA_INDEX_DIM;  // 8192
-constexpr int kCtasPerSm = 4;
-
-__device__ __forceinline__ uint4 ldg_stream16(const uint8_t* ptr) {
-  uint4 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n"
-               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-               : "l"(ptr));
-  return v;
-}
-
-__device__ __forceinline__ float ldg_f32(const uint8_t* ptr) {
-  float v;
-  asm volatile("ld.global.nc.f32 %0, [%1];\n" : "=f"(v) : "l"(ptr));
-  return v;
-}
+constexpr int kCtasPerSm = 5;
 
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
@@ -111,11 +98,39 @@ struct PageFrag {
   float scale;
 };
 
+// One pipeline stage in shared memory. Each thread copies (cp.async) and later reads back only its
+// own 16-byte chunks, so stages need no block barrier; [chunk][thread] keeps LDS conflict-free.
+struct Stage {
+  uint4 keys[4][kThreads];
+  float scale[kThreads];
+};
+constexpr int kStages = 4;  // pages in flight per CTA: kStages - 1
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"((uint32_t)__cvta_generic_to_shared(smem)),
+               "l"(gmem));
+}
+__device__ __forceinline__ void cp_async4(void* smem, const void* gmem) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"((uint32_t)__cvta_generic_to_shared(smem)),
+               "l"(gmem));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+template <int H>
+constexpr size_t fp8_smem_bytes() {
+  return 1024 + H * DSA_INDEX_DIM + kStages * sizeof(Stage);  // alignment slack, q tile, stages
+}
+
 template <int H>
 __global__ void __launch_bounds__(kThreads, kCtasPerSm)
     indexer_logits_fp8_kernel(const DsaIndexerLogitsParams p, const int pages_per_cta) {
   extern __shared__ uint8_t smem_raw[];
   uint8_t* sq = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~uintptr_t(1023));
+  Stage* stages = reinterpret_cast<Stage*>(sq + H * DSA_INDEX_DIM);
 
   const int t = blockIdx.x;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
@@ -137,7 +152,25 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
   const int req = p.req_idx[t];
   const int my_page = lane < n ? p.page_table[(int64_t)req * p.max_pages + p_begin + lane] : 0;
 
-  // q[t] -> shared, K-permuted, 128-byte swizzled rows (row = head).
+  const uint8_t* pool = static_cast<const uint8_t*>(p.pool);
+  const int r0 = 16 * warp + g;  // this thread's key rows in the page: r0 and r0 + 8
+  auto issue = [&](int i) {      // page i -> stage i % kStages (always commits a group)
+    if (i < n) {
+      Stage& st = stages[i % kStages];
+      const int page = __shfl_sync(0xffffffffu, my_page, i);
+      const uint8_t* base = pool + (int64_t)page * DSA_INDEX_PAGE_BYTES;
+      cp_async16(&st.keys[0][tid], base + r0 * DSA_INDEX_DIM + 16 * c);
+      cp_async16(&st.keys[1][tid], base + r0 * DSA_INDEX_DIM + 16 * (c + 4));
+      cp_async16(&st.keys[2][tid], base + (r0 + 8) * DSA_INDEX_DIM + 16 * c);
+      cp_async16(&st.keys[3][tid], base + (r0 + 8) * DSA_INDEX_DIM + 16 * (c + 4));
+      cp_async4(&st.scale[tid], base + kIndexKeyBytes + 4 * (c == 1 ? r0 + 8 : r0));
+    }
+    cp_async_commit();
+  };
+#pragma unroll
+  for (int i = 0; i < kStages - 1; ++i) issue(i);
+
+  // q[t] -> shared, K-permuted, 128-byte swizzled rows (row = head). Overlaps the first pages.
   const uint8_t* qg = static_cast<const uint8_t*>(p.q) + (int64_t)t * H * DSA_INDEX_DIM;
   for (int w = tid; w < H * 32; w += kThreads) {
     const int h = w >> 5, lw = w & 31, kb = 4 * lw;
@@ -156,21 +189,20 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
   __syncthreads();
   const uint64_t desc = make_desc_sw128(sq);
 
-  const uint8_t* pool = static_cast<const uint8_t*>(p.pool);
-  const int r0 = 16 * warp + g;  // this thread's key rows in the page: r0 and r0 + 8
-  auto load = [&](int i, PageFrag& f) {
-    const int page = __shfl_sync(0xffffffffu, my_page, i);
-    const uint8_t* base = pool + (int64_t)page * DSA_INDEX_PAGE_BYTES;
-    f.lo0 = ldg_stream16(base + r0 * DSA_INDEX_DIM + 16 * c);
-    f.hi0 = ldg_stream16(base + r0 * DSA_INDEX_DIM + 16 * (c + 4));
-    f.lo1 = ldg_stream16(base + (r0 + 8) * DSA_INDEX_DIM + 16 * c);
-    f.hi1 = ldg_stream16(base + (r0 + 8) * DSA_INDEX_DIM + 16 * (c + 4));
-    f.scale = ldg_f32(base + kIndexKeyBytes + 4 * (c == 1 ? r0 + 8 : r0));
-  };
   float d[H / 2];
-  auto mma = [&](const PageFrag& f) {
+  for (int i = 0; i < n; ++i) {
+    cp_async_wait<kStages - 2>();  // this thread's copies of page i have landed
+    const Stage& st = stages[i % kStages];
+    PageFrag f;
+    f.lo0 = st.keys[0][tid];
+    f.hi0 = st.keys[1][tid];
+    f.lo1 = st.keys[2][tid];
+    f.hi1 = st.keys[3][tid];
+    f.scale = st.scale[tid];
+    issue(i + kStages - 1);  // into the stage read (and consumed) in iteration i - 1
+
 #pragma unroll
-    for (int i = 0; i < H / 2; ++i) fence_operand(d[i]);
+    for (int j = 0; j < H / 2; ++j) fence_operand(d[j]);
     wgmma_fence();
     Wgmma<H>::run(d, f.lo0.x, f.lo1.x, f.lo0.y, f.lo1.y, desc + 0, 0);
     Wgmma<H>::run(d, f.lo0.z, f.lo1.z, f.lo0.w, f.lo1.w, desc + 2, 1);
@@ -179,9 +211,8 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
     wgmma_commit();
     wgmma_wait0();
 #pragma unroll
-    for (int i = 0; i < H / 2; ++i) fence_operand(d[i]);
-  };
-  auto epilogue = [&](int i, float scale) {
+    for (int j = 0; j < H / 2; ++j) fence_operand(d[j]);
+
     float s0 = 0.f, s1 = 0.f;  // rows r0 and r0 + 8, this lane's 2*H/8 heads
 #pragma unroll
     for (int j = 0; j < H / 8; ++j) {
@@ -196,26 +227,10 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
     s1 += __shfl_xor_sync(0xffffffffu, s1, 2);
     if (c < 2) {
       const int col = (p_begin + i) * DSA_PAGE_SIZE + (c == 0 ? r0 : r0 + 8);
-      out[col] = col < seq_len ? (c == 0 ? s0 : s1) * scale : -CUDART_INF_F;
-    }
-  };
-
-  // Two pages in flight per thread: A/B register buffers, loads issued right after each MMA.
-  PageFrag fa, fb;
-  load(0, fa);
-  if (n > 1) load(1, fb);
-  for (int i = 0; i < n; i += 2) {
-    mma(fa);
-    float scale = fa.scale;
-    if (i + 2 < n) load(i + 2, fa);
-    epilogue(i, scale);
-    if (i + 1 < n) {
-      mma(fb);
-      scale = fb.scale;
-      if (i + 3 < n) load(i + 3, fb);
-      epilogue(i + 1, scale);
+      out[col] = col < seq_len ? (c == 0 ? s0 : s1) * f.scale : -CUDART_INF_F;
     }
   }
+  cp_async_wait<0>();
 }
 
 // Exact mode: bf16 q and keys, fp32 accumulation on CUDA cores. One CTA = one (token, page).
@@ -272,7 +287,8 @@ int launch(const DsaIndexerLogitsParams& p, cudaStream_t stream) {
     DSA_CHECK_SUPPORTED(splits <= 65535, "indexer_logits: max_pages=%d too large (page splits %lld > 65535)",
                         p.max_pages, (long long)splits);
     const dim3 grid((unsigned)p.num_tokens, (unsigned)splits);
-    const size_t smem = H * DSA_INDEX_DIM + 1024;  // q tile + alignment slack
+    constexpr size_t smem = fp8_smem_bytes<H>();
+    static_assert(smem <= 48 * 1024, "fp8 logits kernel: keep under the default dynamic shared memory limit");
     indexer_logits_fp8_kernel<H><<<grid, kThreads, smem, stream>>>(p, (int)ppc);
   } else {
     DSA_CHECK_SUPPORTED(p.max_pages <= 65535, "indexer_logits: bf16 mode max_pages=%d > 65535", p.max_pages);

@@ -1,0 +1,251 @@
+"""CUDA kernels of the cache writes, indexer logits and fused top-k + translation (plugins/csrc)
+against the independent references in tests/ref_dsa_ops.py. Runs on the H200; skips without CUDA."""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+import torch
+
+import ref_dsa_ops as R
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (runs on the H200)"),
+]
+
+DEV = "cuda"
+
+
+@pytest.fixture(scope="module")
+def K():
+    from dsa_trt.plugins import cuda_ops
+
+    assert cuda_ops.library() is not None, cuda_ops.library_error()
+    return cuda_ops
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator(device=DEV).manual_seed(seed)
+
+
+def scattered_page_table(batch: int, max_pages: int, num_pages: int, g: torch.Generator) -> torch.Tensor:
+    """Each request's pages: a random slice of one random permutation of the pool (no sharing)."""
+    perm = torch.randperm(num_pages, generator=g, device=DEV)[: batch * max_pages]
+    return perm.view(batch, max_pages).to(torch.int32).contiguous()
+
+
+# ---------------------------------------------------------------- cache writes: exact bytes
+@pytest.mark.parametrize("fmt", ["fp8", "bf16"])
+def test_mla_cache_write(K, fmt):
+    g = gen(1)
+    num_tokens, num_pages, kv_scale = 37, 8, 0.37
+    # non-contiguous rows: slices of wider buffers
+    kv_latent = (torch.randn(num_tokens, 600, generator=g, device=DEV) * 3).to(torch.bfloat16)[:, 7:519]
+    k_pe = (torch.randn(num_tokens, 80, generator=g, device=DEV) * 3).to(torch.bfloat16)[:, 9:73]
+    kv_latent[0, :8] = torch.tensor([1e4, -1e4, 500.0, -500.0, 0.0, -0.0, 1e-8, 165.8], dtype=torch.bfloat16)
+    slots = torch.randperm(num_pages * 64, generator=g, device=DEV)[:num_tokens]
+    slots[::5] = -1
+    if fmt == "fp8":
+        pool = torch.randint(0, 256, (num_pages, 64, 576), generator=g, device=DEV, dtype=torch.uint8)
+    else:
+        pool = torch.randn(num_pages, 64, 576, generator=g, device=DEV).to(torch.bfloat16)
+    want = R.mla_cache_write(kv_latent, k_pe, slots, pool, kv_scale)
+    K.mla_cache_write(kv_latent, k_pe, slots, pool, kv_scale)
+    got = pool.cpu()
+    bad = (got.view(torch.uint8) != want.view(torch.uint8)).nonzero()
+    assert bad.numel() == 0, f"{fmt}: {bad.shape[0]} bytes differ, first at {bad[:3].tolist()}"
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "bf16"])
+def test_indexer_k_cache_write(K, fmt):
+    g = gen(2)
+    num_tokens, num_pages = 50, 4
+    index_k = (torch.randn(num_tokens, 256, generator=g, device=DEV)).to(torch.bfloat16)[:, 64:192]
+    index_k[1] = 0  # amax floor
+    index_k[2] *= 1e-6
+    index_k[3] *= 3000
+    slots = torch.randperm(num_pages * 64, generator=g, device=DEV)[:num_tokens]
+    slots[7::9] = -1
+    if fmt == "fp8":
+        pool = torch.randint(0, 256, (num_pages, R.INDEX_PAGE_BYTES), generator=g, device=DEV, dtype=torch.uint8)
+    else:
+        pool = torch.randn(num_pages, 64, 128, generator=g, device=DEV).to(torch.bfloat16)
+    want = R.indexer_k_cache_write(index_k, slots, pool)
+    K.indexer_k_cache_write(index_k, slots, pool)
+    got = pool.cpu()
+    bad = (got.view(torch.uint8) != want.view(torch.uint8)).nonzero()
+    assert bad.numel() == 0, f"{fmt}: {bad.shape[0]} bytes differ, first at {bad[:3].tolist()}"
+
+
+# ---------------------------------------------------------------- indexer logits: two tiers
+LOGIT_CASES = [
+    # name, heads, batch, tokens per request, max_pages, seq_lens (None = causal tail), pool pages
+    ("decode_ragged_h64", 64, 4, 1, 10, [1, 64, 65, 640], 64),
+    ("decode_ragged_h32", 32, 4, 1, 10, [640, 3, 128, 0], 64),
+    ("prefill_2req_h64", 64, 2, 35, 6, None, 40),
+    ("decode_odd_pages_h64", 64, 3, 1, 33, [2100, 1, 33 * 64], 200),
+    ("decode_128k_h64", 64, 2, 1, 2048, [131072, 131072 - 77], 4200),
+]
+
+
+def make_logit_inputs(heads, batch, per_req, max_pages, seq_lens, num_pages, seed):
+    g = gen(seed)
+    num_tokens = batch * per_req
+    page_table = scattered_page_table(batch, max_pages, num_pages, g)
+    req_idx = torch.arange(batch, device=DEV, dtype=torch.int32).repeat_interleave(per_req)
+    if seq_lens is None:  # causal tail: token i of a request sees S - per_req + i + 1 keys
+        s = max_pages * 64
+        seq = torch.arange(per_req, device=DEV).repeat(batch) + (s - per_req + 1)
+    else:
+        seq = torch.tensor(seq_lens, device=DEV)
+    seq_lens = seq.to(torch.int32)
+    keys = torch.randn(num_pages, 64, 128, generator=g, device=DEV).to(torch.bfloat16)  # unquantised
+    q = torch.randn(num_tokens, heads, 128, generator=g, device=DEV).to(torch.bfloat16)
+    w = torch.randn(num_tokens, heads, generator=g, device=DEV) * heads**-0.5
+    return q, w, keys, page_table, req_idx, seq_lens
+
+
+def quant_q(q):
+    amax = q.float().abs().amax(-1).clamp(min=R.AMAX_FLOOR)
+    scale = torch.exp2(torch.ceil(torch.log2(amax / R.E4M3_MAX)))
+    return (q.float() / scale[..., None]).clamp(-448, 448).to(torch.float8_e4m3fn), scale
+
+
+def assert_inf_mask(out, ref, name):
+    ninf_out, ninf_ref = torch.isneginf(out), torch.isneginf(ref)
+    bad = (ninf_out != ninf_ref).nonzero()
+    assert bad.numel() == 0, f"{name}: -inf mask differs at {bad[:5].tolist()}"
+    assert not torch.isnan(out).any(), f"{name}: NaN in output (unwritten poison?) at {torch.isnan(out).nonzero()[:5].tolist()}"
+
+
+@pytest.mark.parametrize("case", LOGIT_CASES, ids=[c[0] for c in LOGIT_CASES])
+def test_indexer_logits_fp8(K, case):
+    name, heads, batch, per_req, max_pages, seq_lens, num_pages = case
+    q, w, keys, page_table, req_idx, seq = make_logit_inputs(heads, batch, per_req, max_pages, seq_lens, num_pages, 3)
+    pool = R.build_index_pool(keys)
+    q8, qs = quant_q(q)
+    w_folded = (w * qs).contiguous()
+    out = torch.full((q.shape[0], max_pages * 64), float("nan"), device=DEV)
+    K.indexer_logits(q8, w_folded, pool, page_table, req_idx, seq, out=out)
+
+    # tight: same dequantised fp8 inputs, float64. Bound: fp8 products are exact; the tensor
+    # core accumulates in reduced-precision fp32 (~2^-13 of the running magnitude), so the
+    # error is bounded by a small multiple of sum_h |w| sum_d |q_d k_d|.
+    kd = R.dequant_index_pool(pool)
+    ref = R.indexer_logits(q8.float(), w_folded, kd, page_table, req_idx, seq)
+    mag = R.indexer_logits(q8.float(), w_folded, kd, page_table, req_idx, seq, absolute=True)
+    assert_inf_mask(out, ref, name)
+    fin = torch.isfinite(ref)
+    err = (out.double() - ref).abs()[fin]
+    bound = (2e-3 * mag[fin] + 1e-6 * mag[fin].max()) if fin.any() else err
+    worst = (err / bound).max() if fin.any() else torch.tensor(0.0)
+    assert float(worst) <= 1.0, f"{name}: tight tier error {float(err.max()):.3g} exceeds bound (ratio {float(worst):.3g})"
+
+    # loose: unquantised bf16 q and keys; fp8 quantisation of both (3 mantissa bits) dominates.
+    ref_bf16 = R.indexer_logits(q.float(), w, keys.double(), page_table, req_idx, seq)
+    if fin.any():
+        rel = (out.double() - ref_bf16)[fin].norm() / ref_bf16[fin].norm()
+        assert float(rel) < 0.1, f"{name}: loose tier relative error {float(rel):.3g} >= 0.1"
+
+    # determinism: bitwise rerun
+    out2 = torch.full_like(out, float("nan"))
+    K.indexer_logits(q8, w_folded, pool, page_table, req_idx, seq, out=out2)
+    assert torch.equal(out.view(torch.int32), out2.view(torch.int32)), f"{name}: rerun differs"
+
+
+@pytest.mark.parametrize("heads", [64, 32])
+def test_indexer_logits_bf16(K, heads):
+    q, w, keys, page_table, req_idx, seq = make_logit_inputs(heads, 3, 2, 5, [300, 1, 64, 0, 320, 129], 16, 4)
+    out = torch.full((q.shape[0], 5 * 64), float("nan"), device=DEV)
+    K.indexer_logits(q, w, keys, page_table, req_idx, seq, out=out)
+    ref = R.indexer_logits(q.float(), w, keys.double(), page_table, req_idx, seq)
+    assert_inf_mask(out, ref, f"bf16 h{heads}")
+    fin = torch.isfinite(ref)
+    mag = R.indexer_logits(q.float(), w, keys.double(), page_table, req_idx, seq, absolute=True)
+    err = (out.double() - ref).abs()[fin]
+    # fp32 FMA accumulation over 128 dims and H heads: well under 1e-5 of the magnitude
+    assert bool((err <= 1e-5 * mag[fin] + 1e-9).all()), f"bf16 h{heads}: max error {float(err.max()):.3g}"
+
+
+def test_indexer_logits_unsupported_heads_message(K):
+    lib = K.library()
+    dummy = torch.zeros(1024, dtype=torch.uint8, device=DEV)
+    ptr = ctypes.c_void_p(dummy.data_ptr())
+    p = K.IndexerLogitsParams(ptr, ptr, ptr, ptr, ptr, ptr, ptr, 1, 48, 1, 64, K.CACHE_FP8)
+    status = lib.launchers["indexer_logits"](ctypes.byref(p), ctypes.c_void_p(0))
+    assert status == -2 and "num_heads=48" in lib.last_error(), (status, lib.last_error())
+    with pytest.raises(ValueError, match="lengths dtype torch.int64"):
+        K.topk_translate(torch.zeros(2, 64, device=DEV), torch.zeros(2, dtype=torch.int64, device=DEV),
+                         torch.zeros(1, 1, dtype=torch.int32, device=DEV), torch.zeros(2, dtype=torch.int32, device=DEV), 4)
+
+
+# ---------------------------------------------------------------- top-k + translation
+def make_topk_inputs(rows, width, lengths, kind, seed, batch=3, stride_pad=0, col_offset=0):
+    g = gen(seed)
+    max_pages = (width + 63) // 64
+    big = torch.randn(rows, width + stride_pad, generator=g, device=DEV)
+    logits = big[:, col_offset:col_offset + width]
+    if kind == "zeros99":
+        keep = torch.rand(rows, width, generator=g, device=DEV) < 0.01
+        logits.copy_(torch.where(keep, logits.abs() + 0.1, torch.zeros_like(logits)))
+    elif kind == "levels":  # few distinct values: massive ties at a non-zero threshold
+        logits.copy_(torch.randint(0, 5, (rows, width), generator=g, device=DEV).float() * 0.5 - 1.0)
+    elif kind == "mostly_ninf":  # 1000 finite values per row, rest -inf
+        ninf = torch.rand(rows, width, generator=g, device=DEV) > 1000 / width
+        logits.masked_fill_(ninf, float("-inf"))
+    elif kind == "constant":
+        logits.fill_(1.5)
+    if isinstance(lengths, str):  # "rand": in [k+1, width]
+        lengths = torch.randint(2049, width + 1, (rows,), generator=g, device=DEV)
+    lengths = torch.as_tensor(lengths, device=DEV).to(torch.int32)
+    page_table = scattered_page_table(batch, max_pages, batch * max_pages + 5, g)
+    req_idx = torch.randint(0, batch, (rows,), generator=g, device=DEV).to(torch.int32)
+    return logits, lengths, page_table, req_idx
+
+
+TOPK_CASES = [
+    # name, rows, width, lengths, kind, k, extra
+    ("short_rows", 3, 5000, [0, 100, 2048], "randn", 2048, {}),
+    ("ragged", 4, 5000, [2049, 5000, 4097, 3000], "randn", 2048, {}),
+    ("odd_width_64rows", 64, 32768 + 17, "rand", "randn", 2048, {}),
+    ("one_row_128k", 1, 131072, [131072], "randn", 2048, {}),
+    ("zeros99_64x128k", 64, 131072, [131072] * 64, "zeros99", 2048, {}),
+    ("levels_8x128k", 8, 131072, [131072 - i for i in range(8)], "levels", 2048, {}),
+    ("mostly_ninf", 2, 131072, [131072, 100000], "mostly_ninf", 2048, {}),
+    ("constant_row", 2, 9000, [9000, 8999], "constant", 2048, {}),
+    ("noncontig_misaligned", 5, 20000, [20000, 19999, 5000, 2049, 2048], "randn", 2048,
+     {"stride_pad": 9, "col_offset": 3}),
+    ("uncached_400k", 1, 400000, [400000], "randn", 2048, {}),
+    ("k1", 4, 3000, [3000, 1, 0, 2], "randn", 1, {}),
+    ("k7_ties", 3, 3000, [3000, 3000, 7], "levels", 7, {}),
+    ("rows128_32k", 128, 32768, [32768] * 128, "randn", 2048, {}),
+]
+
+
+@pytest.mark.parametrize("case", TOPK_CASES, ids=[c[0] for c in TOPK_CASES])
+def test_topk_translate(K, case):
+    name, rows, width, lengths, kind, k, extra = case
+    logits, lengths, page_table, req_idx = make_topk_inputs(rows, width, lengths, kind, 5, **extra)
+    slots = torch.full((rows, k), -7, dtype=torch.int32, device=DEV)
+    indices = torch.full((rows, k), -7, dtype=torch.int32, device=DEV)
+    K.topk_translate(logits, lengths, page_table, req_idx, k, slots=slots, indices=indices)
+    R.check_topk(logits, lengths, page_table, req_idx, k, slots, indices)
+    # determinism and the no-indices path
+    slots2 = torch.full_like(slots, -7)
+    K.topk_translate(logits, lengths, page_table, req_idx, k, slots=slots2)
+    assert torch.equal(slots, slots2), f"{name}: rerun without indices differs"
+
+
+def test_torch_ops_dispatch_to_kernels(K):
+    """load() registers the CUDA kernels behind torch.ops.dsa.*; results equal the direct calls."""
+    assert K.load("auto")
+    logits, lengths, page_table, req_idx = make_topk_inputs(4, 9000, [9000, 5000, 100, 2049], "randn", 9)
+    want = K.topk_translate(logits, lengths, page_table, req_idx, 2048)
+    got = torch.ops.dsa.topk_translate(logits, lengths, page_table, req_idx, 2048)
+    assert torch.equal(got, want)
+    q, w, keys, pt, ri, seq = make_logit_inputs(64, 2, 1, 4, [200, 256], 16, 10)
+    pool = R.build_index_pool(keys)
+    q8, _ = quant_q(q)
+    assert torch.equal(torch.ops.dsa.indexer_logits(q8, w, pool, pt, ri, seq), K.indexer_logits(q8, w, pool, pt, ri, seq))
