@@ -47,7 +47,8 @@ def build_network(
 def example_step(cfg: ModelConfig, dense: bool, device="cpu") -> StepInputs:
     """A small two-sequence step that exercises every branch while tracing."""
     n = min(cfg.index_topk, 8) if dense else 24
-    seqs = [(list(range(2, 2 + n)), 0, [1]), (list(range(3, 3 + n // 2 + 1)), 0, [2])]
+    # two pages per sequence so the page-table width is not specialised to 1 while tracing
+    seqs = [(list(range(2, 2 + n)), 0, [1, 3]), (list(range(3, 3 + n // 2 + 1)), 0, [2, 0])]
     return StepInputs.build(seqs, cfg.index_topk, device=device)
 
 
