@@ -22,7 +22,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e ".[test,build]"
+	$(PY) -m pip install -q -e ".[test,build,serve]"
 	touch $@
 
 setup: $(VENV)/.installed
