@@ -16,7 +16,7 @@ KERNEL_OBJS := $(patsubst plugins/csrc/%.cu,build/kernels/%.o,$(KERNEL_SRCS))
 KERNEL_LIB := build/libdsa_kernels.so
 NVCC_FLAGS := -O3 -std=c++17 $(CUDA_ARCH) -Xcompiler -fPIC -Xptxas -v --expt-relaxed-constexpr -lineinfo
 
-.PHONY: setup engine test kernels generate clean
+.PHONY: setup engine test kernels trt-plugins trt-plugins-check clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -47,6 +47,14 @@ build/kernels/%.o: plugins/csrc/%.cu plugins/csrc/*.h plugins/csrc/*.cuh
 
 $(KERNEL_LIB): $(KERNEL_OBJS)
 	$(NVCC) $(CUDA_ARCH) -shared -o $@ $^
+
+# TensorRT plugin library (needs TENSORRT_ROOT or TENSORRT_INCLUDE; says plainly what it skipped)
+trt-plugins: kernels
+	$(MAKE) -C plugins/tensorrt lib
+
+# compile-only check of the IPluginV3 wrappers against TensorRT headers alone (TENSORRT_INCLUDE=...)
+trt-plugins-check:
+	$(MAKE) -C plugins/tensorrt check
 
 clean:
 	rm -rf build engines
