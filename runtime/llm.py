@@ -68,6 +68,11 @@ class LLM:
         pages = self._num_pages(num_pages, cache_fraction)
         self.pool = PagePool(pages)
         self.mla_pools, self.index_pools = allocate_pools(cfg.model, cfg.cache_mode, pages, self.device)
+        self.graphs = None
+        if self.device.type == "cuda" and os.environ.get("DSA_CUDA_GRAPHS", "1") != "0":
+            from .cuda_graphs import CudaGraphRunner
+
+            self.graphs = CudaGraphRunner(self.engine, self.mla_pools, self.index_pools, max_num_seqs)
         self.max_model_len = min(cfg.model.max_position_embeddings, cfg.max_pages_per_seq * PAGE_SIZE)
         self.scheduler = Scheduler(
             self.pool, max_num_tokens=min(max_num_tokens or cfg.max_num_tokens, cfg.max_num_tokens),
@@ -145,7 +150,11 @@ class LLM:
             step = self.scheduler.schedule()
             if step is None:
                 return []
-            logits = self.engine.forward(step.inputs.to(self.device), self.mla_pools, self.index_pools)
+            inputs = step.inputs.to(self.device)
+            if self.graphs is not None:
+                logits = self.graphs.forward(inputs)
+            else:
+                logits = self.engine.forward(inputs, self.mla_pools, self.index_pools)
             rows = step.sample_rows.to(self.device)
             out = sample(logits[rows], **step.sampling_args())
             tokens = out.token_ids.tolist()

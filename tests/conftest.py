@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,10 @@ requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs 
 
 @pytest.fixture(scope="session")
 def tiny_ckpt(tmp_path_factory) -> Path:
+    """The embedded default checkpoint; DSA_TEST_CHECKPOINT points at a pre-written copy (the GPU
+    machine's transformers may predate DeepseekV32, so the checkpoint travels there ready-made)."""
+    if os.environ.get("DSA_TEST_CHECKPOINT"):
+        return Path(os.environ["DSA_TEST_CHECKPOINT"])
     from dsa_trt.export.tiny_checkpoint import write_tiny_checkpoint
 
     return write_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny-v32", seed=0)

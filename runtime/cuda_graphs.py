@@ -1,0 +1,89 @@
+"""Decode steps replayed from CUDA graphs captured per (batch, page-table width) bucket (DESIGN §5).
+
+A decode-only step (one new token per sequence) is padded to the next batch bucket and the next
+power-of-two page-table width, copied into static input buffers, and replayed. Padding rows
+write nowhere (slot -1), attend to one key of page 0 and their logits are dropped, so the real
+rows are exactly what the eager call computes. Graphs are captured lazily, on first use of a
+bucket, and share one memory pool.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .engine import Engine
+from .step_inputs import StepInputs
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+MIN_WIDTH = 8  # pages per sequence of the smallest width bucket
+
+
+def _bucket(n: int, buckets) -> int | None:
+    return next((b for b in buckets if b >= n), None)
+
+
+class _Graph:
+    def __init__(self, engine: Engine, batch: int, width: int, pools, pool_handle):
+        dev = engine.device
+        self.input_ids = torch.zeros(batch, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(batch, dtype=torch.int64, device=dev)
+        self.req_idx = torch.arange(batch, dtype=torch.int32, device=dev)
+        self.page_table = torch.zeros(batch, width, dtype=torch.int32, device=dev)
+        self.slot_mapping = torch.full((batch,), -1, dtype=torch.int64, device=dev)
+        self.logits_indices = torch.arange(batch, dtype=torch.int64, device=dev)
+        step = StepInputs(self.input_ids, self.positions, self.req_idx, self.page_table, self.slot_mapping,
+                          self.logits_indices)
+        stream = torch.cuda.Stream(dev)
+        stream.wait_stream(torch.cuda.current_stream(dev))
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # warm up outside the graph (lazy init, autotuning, allocations)
+                engine.forward(step, *pools)
+        torch.cuda.current_stream(dev).wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool_handle):
+            self.logits = engine.forward(step, *pools)
+
+    def run(self, step: StepInputs) -> torch.Tensor:
+        b, w = step.page_table.shape
+        self.slot_mapping.fill_(-1)
+        self.positions.zero_()
+        self.page_table.zero_()
+        self.input_ids[:b].copy_(step.input_ids, non_blocking=True)
+        self.positions[:b].copy_(step.positions, non_blocking=True)
+        self.slot_mapping[:b].copy_(step.slot_mapping, non_blocking=True)
+        self.page_table[:b, :w].copy_(step.page_table, non_blocking=True)
+        self.graph.replay()
+        return self.logits[:b]
+
+
+class CudaGraphRunner:
+    """Wraps an Engine: decode-only steps go through captured graphs, everything else runs eagerly."""
+
+    def __init__(self, engine: Engine, mla_pools: list[torch.Tensor], index_pools: list[torch.Tensor],
+                 max_batch: int | None = None):
+        if engine.device.type != "cuda":
+            raise ValueError("CUDA graphs need an engine on a CUDA device")
+        self.engine = engine
+        self.pools = (mla_pools, index_pools)
+        cap = min(max_batch or engine.config.max_batch, engine.config.max_batch)
+        self.buckets = tuple(b for b in BATCH_BUCKETS if b <= cap)
+        self.max_width = engine.config.max_pages_per_seq
+        self._graphs: dict[tuple[int, int], _Graph] = {}
+        self._pool_handle = torch.cuda.graph_pool_handle()
+
+    @staticmethod
+    def is_decode(step: StepInputs) -> bool:
+        # one token per sequence, each sequence's logits row is its token
+        return (not step.dense_prefill and step.input_ids.shape[0] == step.page_table.shape[0]
+                and step.logits_indices.shape[0] == step.input_ids.shape[0])
+
+    def forward(self, step: StepInputs) -> torch.Tensor:
+        batch, width = step.page_table.shape
+        b = _bucket(batch, self.buckets)
+        w = _bucket(width, [MIN_WIDTH << i for i in range(32) if (MIN_WIDTH << i) <= max(self.max_width, MIN_WIDTH)])
+        if not self.is_decode(step) or b is None or w is None:
+            return self.engine.forward(step, *self.pools)
+        key = (b, w)
+        if key not in self._graphs:
+            self._graphs[key] = _Graph(self.engine, b, w, self.pools, self._pool_handle)
+        return self._graphs[key].run(step)
