@@ -27,6 +27,8 @@ def gpu_engine(tiny_ckpt, tmp_path_factory):
     from dsa_trt.plugins import cuda_ops
 
     assert cuda_ops.load("cuda"), "the CUDA kernel library must be built (make kernels) for GPU tests"
+    if os.environ.get("DSA_TEST_GPU_ENGINE"):  # built earlier in the same device run (saves a compile)
+        return Path(os.environ["DSA_TEST_GPU_ENGINE"])
     out = tmp_path_factory.mktemp("gpu") / "tiny-fp8-cuda"
     build_engine(tiny_ckpt, out, cache_mode="fp8", compiler="aoti", device="cuda", dtype="bfloat16")
     return out
