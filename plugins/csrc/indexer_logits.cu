@@ -87,10 +87,6 @@ struct Wgmma<32> {
 // logical k bytes [32s + 16h + 4c, +4) of rows g and g+8 in register a{2h} / a{2h+1} of k-step s.
 // A thread instead loads physical bytes [16c, 16c+16) and [16(c+4), 16(c+4)+16) of its rows, so
 // logical word (s, h, c) sits at physical byte 16*(c + 4*(s/2)) + 8*(s%2) + 4*h.
-__device__ __forceinline__ int kperm_phys_byte(int logical_word) {
-  const int s = logical_word >> 3, h = (logical_word >> 2) & 1, c = logical_word & 3;
-  return 16 * (c + 4 * (s >> 1)) + 8 * (s & 1) + 4 * h;
-}
 
 // A page's keys for one thread: rows r and r+8, 32 bytes each, plus the scale this lane stores.
 struct PageFrag {
@@ -171,11 +167,25 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm)
   for (int i = 0; i < kStages - 1; ++i) issue(i);
 
   // q[t] -> shared, K-permuted, 128-byte swizzled rows (row = head). Overlaps the first pages.
-  const uint8_t* qg = static_cast<const uint8_t*>(p.q) + (int64_t)t * H * DSA_INDEX_DIM;
-  for (int w = tid; w < H * 32; w += kThreads) {
-    const int h = w >> 5, lw = w & 31, kb = 4 * lw;
-    const uint32_t v = *reinterpret_cast<const uint32_t*>(qg + h * DSA_INDEX_DIM + kperm_phys_byte(lw));
-    *reinterpret_cast<uint32_t*>(sq + h * 128 + (((kb >> 4) ^ (h & 7)) << 4) + (kb & 15)) = v;
+  // All 16-byte loads are issued before any store (a load-store loop here cost ~10 us of
+  // serial latency per CTA). Physical word wi of chunk ch of row h is logical word
+  // 8*s + 4*hh + c with c = ch & 3, s = 2*(ch >> 2) + (wi >> 1), hh = wi & 1 (kperm inverse).
+  {
+    constexpr int kQChunks = H * DSA_INDEX_DIM / 16 / kThreads;  // 16-byte chunks per thread
+    const uint4* qg = reinterpret_cast<const uint4*>(static_cast<const uint8_t*>(p.q) + (int64_t)t * H * DSA_INDEX_DIM);
+    uint4 qv[kQChunks];
+#pragma unroll
+    for (int j = 0; j < kQChunks; ++j) qv[j] = qg[tid + j * kThreads];
+#pragma unroll
+    for (int j = 0; j < kQChunks; ++j) {
+      const int u = tid + j * kThreads, h = u >> 3, ch = u & 7;
+      const uint32_t w4[4] = {qv[j].x, qv[j].y, qv[j].z, qv[j].w};
+#pragma unroll
+      for (int wi = 0; wi < 4; ++wi) {
+        const int lw = 8 * (2 * (ch >> 2) + (wi >> 1)) + 4 * (wi & 1) + (ch & 3), kb = 4 * lw;
+        *reinterpret_cast<uint32_t*>(sq + h * 128 + (((kb >> 4) ^ (h & 7)) << 4) + (kb & 15)) = w4[wi];
+      }
+    }
   }
   // Head weights of this lane's accumulator columns 8j + 2c + {0,1}, halved for (x + |x|).
   float wr[H / 8][2];

@@ -10,9 +10,12 @@
 // owns the slice [c*chunk, (c+1)*chunk) of the row, copies it once into shared memory (when it
 // fits; otherwise every pass re-reads global memory) and builds the first digit's histogram on
 // the way. Each pass: local shared-memory histogram of the candidates (keys whose higher digits
-// equal the prefix chosen so far) -> added into rank 0's histogram over DSMEM -> cluster barrier
-// -> every CTA reads the merged histogram and picks the same threshold bin. The select stops
-// early when the threshold bin is taken whole. Output: keys above the threshold prefix, then the
+// equal the prefix chosen so far) -> cluster barrier -> CTA r sums bin slice r of every CTA's
+// histogram over DSMEM (16-byte remote loads; no remote atomics and no hot-spot CTA: a first
+// version that reduced into rank 0 with remote atomics spent ~80 us in DSMEM traffic at 64
+// rows) -> cluster barrier -> every CTA reads the C slice totals, then the one slice holding the
+// threshold, and picks the same threshold bin. The select stops early when the threshold bin
+// is taken whole. Output: keys above the threshold prefix, then the
 // first k_eq keys equal to it, placed by block-wide and cluster-wide prefix sums in a fixed
 // (CTA, thread, element) order, so the result is deterministic, with no global atomics and
 // no workspace.
@@ -36,13 +39,16 @@ __host__ __device__ constexpr int digit_shift(int pass) { return pass == 0 ? 21 
 __host__ __device__ constexpr uint32_t digit_mask(int pass) { return pass == 2 ? 0x3FFu : 0x7FFu; }
 constexpr int kCacheCapElems = 40 * 1024;  // slice elements kept in shared memory (160 KB)
 constexpr int kMaxCluster = 8;             // portable cluster size
+constexpr int kMaxCtasPerSm = 2;           // 512 threads x <= 64 registers
 
 struct SmemFixed {
-  uint32_t merged[kPasses][kBins];  // rank 0: cluster-wide histogram of each pass
-  uint32_t hist[kBins];             // this CTA's histogram of the current pass
+  uint32_t hist[2][kBins];  // this CTA's histogram; pass p fills hist[p & 1] (others read it remotely)
+  uint32_t slice[kBins];    // cluster-wide counts of this CTA's bin slice (the first kBins / C used)
+  uint32_t slice_total;     // sum of slice[]
+  uint32_t sel_slice, sel_above;  // slice holding the threshold; count in the slices above it
+  uint32_t sel[3];          // threshold search result: bin, k_rem, bin count
   uint32_t scan[2 * kWarps];
-  uint32_t sel[4];                  // threshold search result: bin, k_rem, bin count
-  uint32_t totals[2];               // this CTA's (> threshold, == threshold) counts
+  uint32_t totals[2];       // this CTA's (> threshold, == threshold) counts
 };
 constexpr size_t kSmemFixedBytes = (sizeof(SmemFixed) + 15) / 16 * 16;
 
@@ -123,7 +129,7 @@ __device__ __forceinline__ void block_excl_scan2(uint32_t a, uint32_t b, uint32_
 }
 
 template <bool kCached>
-__global__ void __launch_bounds__(kThreads) topk_translate_kernel(const DsaTopkTranslateParams p, const int chunk,
+__global__ void __launch_bounds__(kThreads, kMaxCtasPerSm) topk_translate_kernel(const DsaTopkTranslateParams p, const int chunk,
                                                                   const int max_len) {
   cg::cluster_group cluster = cg::this_cluster();
   const int C = (int)cluster.num_blocks();
@@ -174,10 +180,6 @@ __global__ void __launch_bounds__(kThreads) topk_translate_kernel(const DsaTopkT
     else return fetch_global(v);
   };
 
-  for (int i = tid; i < kBins; i += kThreads) s.hist[i] = 0;
-  for (int i = tid; i < kPasses * kBins; i += kThreads) (&s.merged[0][0])[i] = 0;
-  cluster.sync();  // every CTA of the cluster runs and rank 0's histograms are zero
-
   uint32_t prefix = 0;      // digits chosen so far
   uint32_t k_rem = k;       // how many still to take among keys matching the prefix
   int shift = 32;           // keys match when (key >> shift) == prefix (shift 32: all keys)
@@ -185,28 +187,40 @@ __global__ void __launch_bounds__(kThreads) topk_translate_kernel(const DsaTopkT
   for (int pass = 0; pass < kPasses && !take_all; ++pass) {
     const int dshift = digit_shift(pass);
     const uint32_t dmask = digit_mask(pass);
-    RunHist rh{s.hist};
+    const int nbins = (int)dmask + 1;
+    uint32_t* hist = s.hist[pass & 1];  // others last read it two passes ago, before two barriers
+    for (int i = tid; i < nbins; i += kThreads) hist[i] = 0;
+    __syncthreads();
+    RunHist rh{hist};
     if (pass == 0) {
-      constexpr int kUnroll = 8;  // loads in flight per thread
-      for (int v0 = tid; v0 < nvec; v0 += kUnroll * kThreads) {
-        uint4 buf[kUnroll];
+      // Straight-line 16-byte loads, all kUnroll issued before the first use (a version with a
+      // scalar fallback inside the unrolled loop serialised them: ~0.8 us per element batch).
+      constexpr int kUnroll = 4;  // loads in flight per thread (2 CTAs x 32 KB per SM)
+      const int nvec_fast = vec_ok ? n_local / 4 : 0;  // full, aligned vectors
+      const float4* src4 = reinterpret_cast<const float4*>(src);
+      auto consume = [&](int v, uint4 kv) {
+        if constexpr (kCached) keys[v] = kv;
+        const uint32_t kk[4] = {kv.x, kv.y, kv.z, kv.w};
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          if (4 * v + e < n_local) rh.add(kk[e] >> dshift);
+      };
+      for (int v0 = tid; v0 < nvec_fast; v0 += kUnroll * kThreads) {
+        float4 buf[kUnroll];
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u) {
-          const int v = v0 + u * kThreads;
-          buf[u] = v < nvec ? fetch_global(v) : make_uint4(0, 0, 0, 0);
+          const int v = min(v0 + u * kThreads, nvec_fast - 1);  // clamped: always a valid load
+          buf[u] = __ldg(src4 + v);
         }
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u) {
           const int v = v0 + u * kThreads;
-          if (v < nvec) {
-            if constexpr (kCached) keys[v] = buf[u];
-            const uint32_t kk[4] = {buf[u].x, buf[u].y, buf[u].z, buf[u].w};
-#pragma unroll
-            for (int e = 0; e < 4; ++e)
-              if (4 * v + e < n_local) rh.add(kk[e] >> dshift);
-          }
+          if (v < nvec_fast)
+            consume(v, make_uint4(order_key(buf[u].x), order_key(buf[u].y), order_key(buf[u].z),
+                                  order_key(buf[u].w)));
         }
       }
+      for (int v = nvec_fast + tid; v < nvec; v += kThreads) consume(v, fetch_global(v));  // tail / unaligned
     } else {
       for (int v = tid; v < nvec; v += kThreads) {
         const uint4 q = fetch(v);
@@ -217,39 +231,67 @@ __global__ void __launch_bounds__(kThreads) topk_translate_kernel(const DsaTopkT
       }
     }
     rh.flush();
-    __syncthreads();
-    uint32_t* merged0 = cluster.map_shared_rank(&s.merged[pass][0], 0);
-    const int nbins = (int)dmask + 1;
-    for (int b = tid; b < nbins; b += kThreads) {
-      const uint32_t v = s.hist[b];
-      if (v) {
-        atomicAdd(merged0 + b, v);
-        s.hist[b] = 0;
+    cluster.sync();  // (A) every CTA's histogram of this pass is complete
+
+    // Reduce-scatter: this CTA sums bins [rank*S, rank*S + S) over the cluster (S/4 threads,
+    // C remote 16-byte loads each).
+    const int S = nbins / C;
+    uint32_t part = 0;
+    if (tid < S / 4) {
+      uint4 v[kMaxCluster];
+#pragma unroll
+      for (int r = 0; r < kMaxCluster; ++r)  // all remote loads in flight before the sums
+        if (r < C) v[r] = reinterpret_cast<const uint4*>(cluster.map_shared_rank(hist, r) + rank * S)[tid];
+      uint4 acc = make_uint4(0, 0, 0, 0);
+#pragma unroll
+      for (int r = 0; r < kMaxCluster; ++r) {
+        if (r < C) {
+          acc.x += v[r].x;
+          acc.y += v[r].y;
+          acc.z += v[r].z;
+          acc.w += v[r].w;
+        }
+      }
+      reinterpret_cast<uint4*>(s.slice)[tid] = acc;
+      part = acc.x + acc.y + acc.z + acc.w;
+    }
+    const uint32_t slice_sum = block_suffix_sum(part, s.scan);  // thread 0: the slice total
+    if (tid == 0) s.slice_total = slice_sum;
+    cluster.sync();  // (B) every slice is reduced
+
+    // Threshold bin: the highest b with count(bins >= b) >= k_rem. First the slice (warp 0 reads
+    // the C totals), then the bin inside it.
+    if (tid < 32) {
+      const uint32_t tot = tid < C ? *cluster.map_shared_rank(&s.slice_total, tid) : 0u;
+      uint32_t x = tot;
+#pragma unroll
+      for (int off = 1; off < 32; off <<= 1) {
+        const uint32_t v = __shfl_down_sync(0xffffffffu, x, off);
+        if (tid + off < 32) x += v;
+      }
+      if (tid < C && x - tot < k_rem && k_rem <= x) {
+        s.sel_slice = tid;
+        s.sel_above = x - tot;
       }
     }
-    cluster.sync();  // rank 0's histogram of this pass is complete
-
-    // Threshold bin: the highest b with count(bins >= b) >= k_rem. Thread t owns `per` bins.
-    const int per = nbins / kThreads;
-    uint32_t cnt[kBins / kThreads];
-    uint32_t mine = 0;
-#pragma unroll
-    for (int j = 0; j < kBins / kThreads; ++j) {
-      cnt[j] = j < per ? merged0[per * tid + j] : 0u;
-      mine += cnt[j];
-    }
-    const uint32_t incl = block_suffix_sum(mine, s.scan);
+    __syncthreads();
+    const int sl = (int)s.sel_slice;
+    uint4 cnt = make_uint4(0, 0, 0, 0);
+    if (tid < S / 4) cnt = reinterpret_cast<const uint4*>(cluster.map_shared_rank(s.slice, sl))[tid];
+    const uint32_t mine = cnt.x + cnt.y + cnt.z + cnt.w;
+    const uint32_t incl = block_suffix_sum(mine, s.scan) + s.sel_above;
     const uint32_t excl = incl - mine;
-    if (excl < k_rem && k_rem <= incl) {
+    if (tid < S / 4 && excl < k_rem && k_rem <= incl) {
+      const uint32_t c4[4] = {cnt.x, cnt.y, cnt.z, cnt.w};
       uint32_t acc = excl;
 #pragma unroll
-      for (int j = kBins / kThreads - 1; j >= 0; --j) {
-        if (j < per && acc + cnt[j] >= k_rem && acc < k_rem) {
-          s.sel[0] = per * tid + j;
+      for (int j = 3; j >= 0; --j) {
+        if (acc < k_rem && acc + c4[j] >= k_rem) {
+          s.sel[0] = sl * S + 4 * tid + j;
           s.sel[1] = k_rem - acc;
-          s.sel[2] = cnt[j];
+          s.sel[2] = c4[j];
         }
-        if (j < per) acc += cnt[j];
+        acc += c4[j];
       }
     }
     __syncthreads();
@@ -258,7 +300,7 @@ __global__ void __launch_bounds__(kThreads) topk_translate_kernel(const DsaTopkT
     prefix = (shift == 32 ? 0u : prefix << (shift - dshift)) | bin;
     shift = dshift;
     take_all = (s.sel[2] == k_rem);
-    __syncthreads();  // s.sel is rewritten by the next pass
+    __syncthreads();  // s.sel / s.sel_* are rewritten by the next pass
   }
 
   // Output: keys with (key >> shift) > prefix go to [0, k - k_rem); the first k_rem keys equal
@@ -330,12 +372,12 @@ Plan make_plan(int64_t rows, int max_len) {
   const int64_t sms = num_sms();
   Plan best{1, 0, false, 0};
   int64_t best_cost = INT64_MAX;
-  for (int c = 1; c <= kMaxCluster; ++c) {
+  for (int c = 1; c <= kMaxCluster; c *= 2) {  // C divides the bin counts
     const int chunk = (int)dsa_ceil_div(dsa_ceil_div(max_len, c), 4) * 4;
     const bool cached = chunk <= kCacheCapElems;
     const size_t smem = kSmemFixedBytes + (cached ? (size_t)chunk * 4 : 0);
     int64_t per_sm = kSmemPerSm / (int64_t)(smem + kSmemReservedPerCta);
-    per_sm = per_sm < 1 ? 1 : (per_sm > 2048 / kThreads ? 2048 / kThreads : per_sm);
+    per_sm = per_sm < 1 ? 1 : (per_sm > kMaxCtasPerSm ? kMaxCtasPerSm : per_sm);
     const int64_t clusters_per_wave = (sms * per_sm / c) > 0 ? sms * per_sm / c : 1;
     const int64_t waves = dsa_ceil_div(rows, clusters_per_wave);
     const int64_t cost = waves * ((int64_t)chunk * (cached ? 1 : 3) + kOverheadElems);
