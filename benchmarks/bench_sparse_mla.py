@@ -1,0 +1,201 @@
+"""Benchmark: sparse MLA over the 576-byte fp8 pool (plugins/csrc/sparse_mla_fp8.cuh).
+
+Method (as research/h200_peer_anchors.md): random inputs (never zeros); before every timed call
+an L2 flush (bitwise_not_ over 256 MB); the launch is captured once in a CUDA graph and CUDA
+events bracket one replay; 3 warm-ups; median of `--iters`.
+
+Counting, per case, as FlashMLA counts (research/perf_anchors.md §2), with our 576-byte rows
+where FlashMLA's layout has 656 (decode) or 1152 bf16 bytes (prefill):
+
+* decode (count_flop_and_mem_vol_for_decode): FLOPs = 2*h*(b*s_q*topk)*(576+512); bytes = q bf16
+  + unique(valid slots in the batch)*576 + out bf16. Each request: s_k = 32768 tokens on pages
+  scattered over the pool, each query token selects topk distinct positions of its request.
+* prefill (count_flop_and_mem_vol): FLOPs = 2*s_q*topk*h*(576+512); bytes = valid indices*576
+  (no dedup: mostly L2 traffic) + s_q*h*(576+512)*2. One sequence of s_kv tokens, random indices.
+
+Ceilings measured on this H200 kind: copy 4.3 TB/s, fp8 matmul 1377 TFLOP/s (the kernel's QK^T
+and PV run on fp8 tensor cores). "% roof" = max(FLOPs / 1377 TF, bytes / 4.3 TB/s) / time.
+The FlashMLA column is its measured time on the same GPU for the same shape (h200_peer_anchors.md:
+sparse fp8 decode with its 656-B layout; sparse prefill with a bf16 KV).
+
+Usage: python benchmarks/bench_sparse_mla.py [--iters 20] [--md out.md] [--only decode|prefill]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import statistics
+
+import torch
+
+from dsa_trt.plugins import cuda_ops as K
+
+COPY_TBPS = 4.3
+FP8_TFLOPS = 1377.0
+D_QK, D_V, PAGE = 576, 512, 64
+ROW_BYTES = 576
+SM_SCALE = 0.1352
+
+
+def flush_l2(buf: torch.Tensor) -> None:
+    buf.bitwise_not_()
+
+
+def time_us(fn, flush_buf, iters: int) -> float:
+    """Median µs of one call, replayed from a CUDA graph (the GPU is still busy with the flush
+    when the replay is queued, so launch overhead is not in the timed region)."""
+    fn()  # first call: one-time kernel attributes
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    for _ in range(3):
+        graph.replay()
+    times = []
+    for _ in range(iters):
+        flush_l2(flush_buf)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(times)
+
+
+# ---------------------------------------------------------------- counting (FlashMLA's, 576-B rows)
+def count_flops_and_bytes_decode(b: int, s_q: int, h: int, topk: int, unique_slots: int) -> tuple[float, float]:
+    flops = 2.0 * h * (b * s_q * topk) * (D_QK + D_V)
+    nbytes = 2.0 * b * s_q * h * D_QK + unique_slots * ROW_BYTES + 2.0 * b * s_q * h * D_V
+    return flops, nbytes
+
+
+def count_flops_and_bytes_prefill(s_q: int, h: int, topk: int, valid_indices: int) -> tuple[float, float]:
+    flops = 2.0 * s_q * topk * h * (D_QK + D_V)
+    nbytes = valid_indices * ROW_BYTES + 2.0 * s_q * h * (D_QK + D_V)
+    return flops, nbytes
+
+
+# ---------------------------------------------------------------- inputs
+def random_pool(num_pages: int, g: torch.Generator) -> tuple[torch.Tensor, float]:
+    kv = torch.randn(num_pages * PAGE, D_QK, generator=g, device="cuda")
+    kv_scale = float(kv.abs().max()) / 448.0
+    pool = (kv / kv_scale).to(torch.float8_e4m3fn).view(torch.uint8).view(num_pages, PAGE, D_QK)
+    return pool, kv_scale
+
+
+def random_positions(rows: int, length: int, topk: int, g: torch.Generator) -> torch.Tensor:
+    """[rows, topk] distinct random positions in [0, length) per row, chunked to bound memory."""
+    out = []
+    chunk = max(1, (1 << 27) // length)
+    for r0 in range(0, rows, chunk):
+        n = min(chunk, rows - r0)
+        out.append(torch.rand(n, length, generator=g, device="cuda").topk(topk, dim=-1).indices)
+    return torch.cat(out)
+
+
+def random_q(tokens: int, heads: int, g: torch.Generator) -> torch.Tensor:
+    return (torch.randn(tokens, heads, D_QK, generator=g, device="cuda") * 0.15).to(torch.bfloat16)
+
+
+class Launch:
+    """One preallocated dsa_launch_sparse_mla call (no Python allocation in the timed region)."""
+
+    def __init__(self, q, pool, slots, kv_scale):
+        self.keep = (q, pool, slots)
+        t, h = q.shape[:2]
+        self.out = torch.empty(t, h, D_V, dtype=torch.bfloat16, device="cuda")
+        self.lse = torch.empty(t, h, dtype=torch.float32, device="cuda")
+        self.p = K.SparseMlaParams(
+            K._ptr(q), K._ptr(pool), K._ptr(slots), K._ptr(self.out), K._ptr(self.lse), t, h, slots.shape[1],
+            q.stride(0), q.stride(1), pool.shape[0] * PAGE, kv_scale, SM_SCALE, K.CACHE_FP8)
+        lib = K.library()
+        assert lib is not None, K.library_error()
+        self.fn = lib.launchers["sparse_mla"]
+        self.lib = lib
+
+    def __call__(self):
+        status = self.fn(ctypes.byref(self.p), ctypes.c_void_p(torch.cuda.current_stream().cuda_stream))
+        if status != 0:
+            raise RuntimeError(f"sparse_mla: {status}: {self.lib.last_error()}")
+
+
+def decode_case(b: int, s_q: int, h: int, topk: int, s_k: int, g: torch.Generator):
+    pages_per_req = s_k // PAGE
+    pool, kv_scale = random_pool(b * pages_per_req, g)
+    table = torch.randperm(b * pages_per_req, generator=g, device="cuda").view(b, pages_per_req)
+    pos = random_positions(b * s_q, s_k, topk, g)  # [b*s_q, topk]
+    req = torch.arange(b, device="cuda").repeat_interleave(s_q)
+    slots = (table[req[:, None], pos // PAGE] * PAGE + pos % PAGE).to(torch.int32).contiguous()
+    q = random_q(b * s_q, h, g)
+    unique = int(torch.unique(slots).numel())
+    return Launch(q, pool, slots, kv_scale), count_flops_and_bytes_decode(b, s_q, h, topk, unique)
+
+
+def prefill_case(s_q: int, h: int, topk: int, s_kv: int, g: torch.Generator):
+    pool, kv_scale = random_pool(s_kv // PAGE, g)
+    perm = torch.randperm(s_kv // PAGE, generator=g, device="cuda")
+    pos = random_positions(s_q, s_kv, topk, g)
+    slots = (perm[pos // PAGE] * PAGE + pos % PAGE).to(torch.int32).contiguous()
+    q = random_q(s_q, h, g)
+    return Launch(q, pool, slots, kv_scale), count_flops_and_bytes_prefill(s_q, h, topk, slots.numel())
+
+
+# (label, kind, args, FlashMLA µs on the H200 or None, target µs or None)
+CASES = [
+    ("decode b=128 s_q=2 h=128 k=2048", "decode", (128, 2, 128, 2048, 32768), 365.7, 300.0),
+    ("decode b=128 s_q=1 h=128 k=2048", "decode", (128, 1, 128, 2048, 32768), 186.8, 155.0),
+    ("decode b=64 s_q=1 h=128 k=2048", "decode", (64, 1, 128, 2048, 32768), 97.5, 80.0),
+    ("decode b=64 s_q=2 h=128 k=2048", "decode", (64, 2, 128, 2048, 32768), 187.3, None),
+    ("decode b=2 s_q=2 h=128 k=2048", "decode", (2, 2, 128, 2048, 32768), 21.4, None),
+    ("decode b=128 s_q=1 h=128 k=512", "decode", (128, 1, 128, 512, 32768), None, None),
+    ("decode b=128 s_q=1 h=128 k=64", "decode", (128, 1, 128, 64, 32768), None, None),
+    ("decode b=128 s_q=1 h=64 k=2048 (TP2)", "decode", (128, 1, 64, 2048, 32768), None, None),
+    ("decode b=128 s_q=1 h=32 k=2048 (TP4)", "decode", (128, 1, 32, 2048, 32768), None, None),
+    ("decode b=128 s_q=1 h=16 k=2048 (TP8)", "decode", (128, 1, 16, 2048, 32768), None, None),
+    ("prefill s_q=4096 h=128 k=2048 s_kv=32K", "prefill", (4096, 128, 2048, 32768), 3889.0, None),
+    ("prefill s_q=4096 h=128 k=2048 s_kv=128K", "prefill", (4096, 128, 2048, 131072), 4205.0, 4205.0),
+]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--md", type=str, default=None)
+    ap.add_argument("--only", choices=["decode", "prefill"], default=None)
+    args = ap.parse_args()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    flush_buf = torch.empty(64 << 20, dtype=torch.int32, device="cuda")
+    header = "| shape | µs | TFLOP/s | TB/s | % of roofline | FlashMLA anchor µs | target µs |"
+    rows = [header, "|---|---:|---:|---:|---:|---:|---:|"]
+    print(header, flush=True)
+    for label, kind, cargs, anchor, target in CASES:
+        if args.only and kind != args.only:
+            continue
+        try:
+            launch, (flops, nbytes) = (decode_case if kind == "decode" else prefill_case)(*cargs, g)
+            us = time_us(launch, flush_buf, args.iters)
+            roof = max(flops / (FP8_TFLOPS * 1e12), nbytes / (COPY_TBPS * 1e12)) * 1e6
+            row = (f"| {label} | {us:.1f} | {flops / us / 1e6:.1f} | {nbytes / us / 1e6:.2f} | "
+                   f"{100 * roof / us:.1f} | {anchor if anchor else '—'} | {target if target else '—'} |")
+            del launch
+        except torch.OutOfMemoryError:
+            row = f"| {label} | OOM | | | | {anchor or '—'} | {target or '—'} |"
+        except RuntimeError as e:
+            row = f"| {label} | UNSUPPORTED ({e}) | | | | {anchor or '—'} | {target or '—'} |"
+        torch.cuda.empty_cache()
+        rows.append(row)
+        print(row, flush=True)
+    if args.md:
+        with open(args.md, "w") as f:
+            f.write("\n".join(rows) + "\n")
+
+
+if __name__ == "__main__":
+    main()

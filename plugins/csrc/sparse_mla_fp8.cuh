@@ -1,0 +1,457 @@
+// DSA-TRT sparse MLA over the 576-byte fp8 pool: the warp-specialised fp8 wgmma kernel (sm_90a).
+//
+// One CTA = one query token x one block of 64 heads (wgmma M = 64; H = 16 / 32 pad the block
+// with zero rows that are never stored). All heads share each gathered latent row (MQA), so a
+// CTA streams the token's k selected rows in tiles of 64 and runs, per tile:
+//
+//   S[64 h, 64 keys] = q8 . k8^T over 576 dims   fp8 x fp8 wgmma, fp32 accumulate
+//   online softmax (log2 domain, per-head scale folded in)
+//   O[64 h, 512]    += p8 . v8                    fp8 x fp8 wgmma, fp32 accumulate
+//
+// Because the pool holds all 576 dims as e4m3 with ONE per-layer scale, the gathered rows are
+// used by the tensor cores as they are: no dequantisation at all. q is quantised per (token,
+// head) to e4m3 with scale amax/448; kv_scale * q_scale * sm_scale go into the fp32 scores, and
+// kv_scale / l into the output. P is stored as e4m3 after scaling by 2^8 (max 256 < 448), which
+// keeps probabilities down to ~2^-14 of the row max in the normal range; the 2^8 cancels in O / l.
+//
+// Warp roles (384 threads, one CTA per SM, ~225 KB shared memory):
+//   WG0 producer  warps 0-1 gather each tile's 64 rows with 16-byte cp.async (zero-fill for -1
+//                 slots) into the 128B-swizzled K tile; warps 2-3 transpose its first 512 columns
+//                 into V^T with ldmatrix.trans + prmt + stmatrix (fp8 wgmma wants K-major B, i.e.
+//                 keys contiguous per output dim). 40 registers.
+//   WG1, WG2      consumers. O[64 x 512] fp32 needs 256 registers per thread for one warpgroup,
+//                 so consumer c owns output dims [256c, 256c + 256) (128 accumulator registers)
+//                 and computes the partial S over q/k dims [288c, 288c + 288); the two partial S
+//                 are summed through shared memory, so both run the identical softmax. 232 regs.
+//
+// Key permutation: the P registers come straight from the S accumulator layout, which holds for
+// lane quad q the keys {2q, 2q+1, 8+2q, 9+2q} of each 16-key group where wgmma's A operand
+// expects K positions 4q..4q+3; the transpose writes V^T with the same key order, so the
+// product is unchanged and no shuffles are needed. It also writes the 512 output dims in a
+// permuted row order (even dims, then odd dims, per 16) that the epilogue undoes. Details and
+// the cycle budget: docs/sparse_mla_notes.md.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+#include <math.h>
+
+#include "dsa_kernels.h"
+#include "sparse_mla_ptx.cuh"
+
+namespace dsa_sparse_mla {
+
+constexpr int kTileKeys = 64;
+constexpr int kDim = DSA_MLA_DIM;      // 576
+constexpr int kVDim = DSA_MLA_V_DIM;   // 512
+constexpr int kHeadsPerCta = 64;       // wgmma M
+constexpr int kMaxTopk = 2048;
+constexpr int kKStages = 3;  // gathered K tiles in flight (the gather latency is the exposed one)
+constexpr int kVStages = 2;
+constexpr int kWarpgroup = 128;
+constexpr int kThreads = 3 * kWarpgroup;
+constexpr int kCoreBytes = 128;                              // one core matrix: 8 rows x 16 bytes
+constexpr int kKChunks = kDim / 16;                          // 36 16-byte chunks per latent row
+constexpr int kSwizzleRow = 128;                             // 128B-swizzle: 8 chunks per row, XOR (key & 7)
+constexpr int kKBlocks = (kDim + kSwizzleRow - 1) / kSwizzleRow;  // 5 column blocks (the last half used)
+constexpr int kKBlockBytes = kTileKeys * kSwizzleRow;        // 8192
+constexpr int kKTileBytes = kKBlocks * kKBlockBytes;         // 40960
+constexpr int kSmemAlign = 1024;                             // 128B-swizzle atoms (8 rows x 128 B)
+constexpr int kVtGroupBytes = kTileKeys / 16 * kCoreBytes;   // 512: 8 V^T rows x 64 keys
+constexpr int kVtTileBytes = kVDim / 8 * kVtGroupBytes;      // 32768
+constexpr int kQkSteps = kDim / 32;                          // 18 wgmma k-steps of 32
+constexpr int kQkStepsPerWg = kQkSteps / 2;                  // 9 per consumer
+constexpr int kVHalf = kVDim / 2;                            // 256 output dims per consumer
+constexpr int kXchgVecs = 8;                                 // 32 S accumulators = 8 float4
+constexpr uint32_t kProducerRegs = 40, kConsumerRegs = 232;  // 128*40 + 256*232 <= 65536
+constexpr float kFp8Max = 448.f;
+constexpr float kQAmaxFloor = 1e-20f;  // all-zero q rows: scale stays finite and > 0, q8 = 0
+constexpr float kPOffset = 8.f;        // log2 of the P pre-scale
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+constexpr uint32_t kBarConsumers = 1;  // named barrier of the two consumer warpgroups (0 = __syncthreads)
+constexpr int kGatherWarps = 2, kTransposeWarps = 2;  // the producer warpgroup's two crews
+
+struct Fp8Smem {
+  uint8_t k_tile[kKStages][kKTileBytes];    // [5 blocks][64 keys][128 B, chunk c at c ^ (key & 7)]: B of QK^T
+  uint8_t vt_tile[kVStages][kVtTileBytes];  // [64 row groups][4 key chunks][8 rows][16 B]: K-major B of PV
+  float4 xchg[2][kXchgVecs][kWarpgroup];    // [consumer] partial S of the current tile
+  int32_t slots[kMaxTopk];                  // this token's slots, -1 for skip / padding / out of range
+  uint64_t full_k[kKStages], empty_k[kKStages], full_v[kVStages], empty_v[kVStages];
+};
+
+__device__ __forceinline__ void warp_arrive(uint64_t* bar) {
+  __syncwarp();
+  if ((threadIdx.x & 31) == 0) mbar_arrive(bar);
+}
+
+__device__ __forceinline__ uint32_t pack_e4m3x4(float a, float b, float c, float d) {
+  const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
+  const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(c, d), __NV_SATFINITE, __NV_E4M3);
+  return lo | (hi << 16);
+}
+
+__device__ __forceinline__ void load_bf16x4(const __nv_bfloat16* src, float (&v)[4]) {
+  const uint2 raw = __ldg(reinterpret_cast<const uint2*>(src));
+  const __nv_bfloat162 a = *reinterpret_cast<const __nv_bfloat162*>(&raw.x);
+  const __nv_bfloat162 b = *reinterpret_cast<const __nv_bfloat162*>(&raw.y);
+  v[0] = __low2float(a);
+  v[1] = __high2float(a);
+  v[2] = __low2float(b);
+  v[3] = __high2float(b);
+}
+
+// Which token / head block / how many tiles this CTA works on. Computed after the register
+// reallocation in each role (values live across setmaxnreg would be spilled).
+struct CtaWork {
+  int64_t t;
+  int hb;
+  int n_tiles;
+};
+template <int kHeadBlocks>
+__device__ __forceinline__ CtaWork cta_work(const DsaSparseMlaParams& p) {
+  // consecutive CTAs share a token, so the second head block's gathers are L2 hits
+  return {static_cast<int64_t>(blockIdx.x / kHeadBlocks), static_cast<int>(blockIdx.x % kHeadBlocks),
+          (p.topk + kTileKeys - 1) / kTileKeys};
+}
+
+// ---------------------------------------------------------------- producer (warpgroup 0)
+// Two independent crews so that neither waits on the other's latency: the gather warps only issue
+// cp.async (a proxy fence in a thread with copies in flight waits for them), the transpose warps
+// only read the landed K tile and write V^T.
+
+// Gather warps: tile j into K stage j % 3 once the consumers' QK^T and the transposer of tile j-3
+// released it. Each 8-lane quarter of a warp instruction copies one 128-byte column block of one
+// key: 128 contiguous global bytes (4 full sectors; the L2 sees no partial-sector requests) into
+// one 128-byte swizzled shared-memory row (all 32 banks). Warp w copies keys 32w..32w+31.
+__device__ __forceinline__ void gather_crew(Fp8Smem& sm, const uint8_t* pool, int n_tiles, int warp, int lane) {
+  const int cw = lane & 7;  // 16-byte chunk within the 128-byte block
+  for (int j = 0; j < n_tiles; ++j) {
+    const int st = j % kKStages, round = j / kKStages;
+    if (round > 0) mbar_wait(&sm.empty_k[st], (round - 1) & 1);
+    const uint32_t tile = smem_u32(sm.k_tile[st]);
+#pragma unroll 2
+    for (int kq = 0; kq < 8; ++kq) {
+      const int key = warp * 32 + kq * 4 + (lane >> 3);
+      const int32_t slot = sm.slots[j * kTileKeys + key];
+      const uint8_t* src = pool + static_cast<int64_t>(slot < 0 ? 0 : slot) * kDim + cw * 16;
+      const uint32_t bytes = slot >= 0 ? 16u : 0u;  // -1: zero-fill, nothing read
+      const uint32_t dst = tile + key * kSwizzleRow + ((cw ^ (key & 7)) << 4);
+#pragma unroll
+      for (int b = 0; b < kKBlocks; ++b) {
+        if (b * kSwizzleRow + cw * 16 < kDim)  // the last block holds 4 chunks
+          cp_async_16(dst + b * kKBlockBytes, src + b * kSwizzleRow, bytes);
+      }
+    }
+    mbar_arrive_cp_async(&sm.full_k[st]);
+  }
+}
+
+// Transpose warps: V^T[dim][key] of tile j from its K tile. Per 16 keys x 32 dims: one
+// ldmatrix.x4.trans (b16 = 2 dims), byte permutes that split even / odd dims, one stmatrix.x4
+// (4 V^T core matrices). Warp w does keys 32w..32w+31.
+__device__ __forceinline__ void transpose_crew(Fp8Smem& sm, int n_tiles, int warp, int lane) {
+  const int m = lane >> 3, rr = lane & 7;  // ldmatrix / stmatrix: lane gives row rr of matrix m
+  for (int j = 0; j < n_tiles; ++j) {
+    const int kst = j % kKStages, vst = j % kVStages;
+    mbar_wait(&sm.full_k[kst], (j / kKStages) & 1);
+    if (j >= kVStages) mbar_wait(&sm.empty_v[vst], (j / kVStages - 1) & 1);
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int h = warp * 2 + hh;  // 16-key group
+      // matrix m: keys 16h + 8*(m & 1) + rr, chunk 2c + (m >> 1) of the row (block c / 4, swizzled)
+      const uint32_t src = smem_u32(sm.k_tile[kst]) + (16 * h + 8 * (m & 1) + rr) * kSwizzleRow;
+      // V^T row group 4c + m (dims 32c + 2r, 32c + 2r + 1, 32c + 16 + 2r, 32c + 17 + 2r), key chunk h
+      const uint32_t dst = smem_u32(sm.vt_tile[vst]) + m * kVtGroupBytes + h * kCoreBytes + rr * 16;
+#pragma unroll 4
+      for (int c = 0; c < kVDim / 32; ++c) {
+        uint32_t a0, b0, a1, b1;
+        const int chunk = 2 * c + (m >> 1);
+        ldmatrix_x4_trans(src + (chunk >> 3) * kKBlockBytes + (((chunk & 7) ^ rr) << 4), a0, b0, a1, b1);
+        stmatrix_x4(dst + c * 4 * kVtGroupBytes, prmt(a0, b0, 0x6420), prmt(a0, b0, 0x7531), prmt(a1, b1, 0x6420),
+                    prmt(a1, b1, 0x7531));
+      }
+    }
+    fence_proxy_async();  // stmatrix (generic proxy) -> wgmma (async proxy)
+    mbar_arrive(&sm.full_v[vst]);
+    warp_arrive(&sm.empty_k[kst]);  // this warp is done reading the K tile
+  }
+}
+
+// ---------------------------------------------------------------- consumers (warpgroups 1, 2)
+template <int kRows, int kHeadBlocks>
+__device__ __forceinline__ void consumer(Fp8Smem& sm, const DsaSparseMlaParams& p, int64_t t, int hb, int n_tiles,
+                                         int c) {
+  const int ctid = threadIdx.x - kWarpgroup * (1 + c);
+  const int warp = ctid >> 5, lane = ctid & 31;
+  const int g = lane >> 2, qd = lane & 3;
+  const int row0 = warp * 16 + g;  // this thread's rows: row0 and row0 + 8 of the head block
+  const bool row_ok[2] = {row0 < kRows, row0 + 8 < kRows};
+  const int64_t head[2] = {static_cast<int64_t>(hb) * kHeadsPerCta + row0,
+                           static_cast<int64_t>(hb) * kHeadsPerCta + row0 + 8};
+
+  // ---- q -> e4m3 per head (amax over all 576 dims: both consumers get the same scale)
+  const __nv_bfloat16* q = static_cast<const __nv_bfloat16*>(p.q) + t * p.q_stride_token;
+  float amax[2] = {0.f, 0.f};
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    if (!row_ok[r]) continue;
+    const __nv_bfloat16* qrow = q + head[r] * p.q_stride_head + 4 * qd;
+#pragma unroll
+    for (int s = 0; s < kQkSteps; ++s) {
+      float lo[4], hi[4];
+      load_bf16x4(qrow + 32 * s, lo);
+      load_bf16x4(qrow + 32 * s + 16, hi);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) amax[r] = fmaxf(amax[r], fmaxf(fabsf(lo[i]), fabsf(hi[i])));
+    }
+  }
+  float inv[2], f[2];  // q8 = q * inv; score (log2 units) = acc * f
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    amax[r] = fmaxf(amax[r], __shfl_xor_sync(0xffffffffu, amax[r], 1));
+    amax[r] = fmaxf(amax[r], __shfl_xor_sync(0xffffffffu, amax[r], 2));
+    const float a = fmaxf(amax[r], kQAmaxFloor);
+    inv[r] = kFp8Max / a;
+    f[r] = (a / kFp8Max) * p.sm_scale * p.kv_scale * kLog2e;
+  }
+  uint32_t qa[kQkStepsPerWg][4];  // wgmma A fragments: {row0 k[4qd..], row0+8 k[4qd..], row0 k[16+4qd..], row0+8 ...}
+#pragma unroll
+  for (int sl = 0; sl < kQkStepsPerWg; ++sl) {
+    const int s = c * kQkStepsPerWg + sl;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float lo[4] = {0.f, 0.f, 0.f, 0.f}, hi[4] = {0.f, 0.f, 0.f, 0.f};
+      if (row_ok[r]) {
+        const __nv_bfloat16* qrow = q + head[r] * p.q_stride_head + 4 * qd + 32 * s;
+        load_bf16x4(qrow, lo);
+        load_bf16x4(qrow + 16, hi);
+      }
+      qa[sl][r] = pack_e4m3x4(lo[0] * inv[r], lo[1] * inv[r], lo[2] * inv[r], lo[3] * inv[r]);
+      qa[sl][2 + r] = pack_e4m3x4(hi[0] * inv[r], hi[1] * inv[r], hi[2] * inv[r], hi[3] * inv[r]);
+    }
+  }
+
+  float o[kVHalf / 2];  // O[64 x 256] accumulators: o[j*4 + rh*2 + e] = row row0 + 8rh, column 8j + 2qd + e
+  float s_acc[32];      // S[64 x 64]: s_acc[j*4 + rh*2 + e] = row row0 + 8rh, key 8j + 2qd + e
+#pragma unroll
+  for (int i = 0; i < kVHalf / 2; ++i) o[i] = 0.f;
+#pragma unroll
+  for (int i = 0; i < 32; ++i) s_acc[i] = 0.f;
+  float m_run[2] = {-INFINITY, -INFINITY};  // running max of the log2-domain scores
+  float l_run[2] = {0.f, 0.f};              // this thread's partial of sum 2^(z - m + 8)
+  uint32_t pa[2][4];                        // P of the tile, e4m3, wgmma A fragments per 32 keys
+
+  auto issue_qk = [&](int st) {
+    const uint32_t base = smem_u32(sm.k_tile[st]);
+#pragma unroll
+    for (int sl = 0; sl < kQkStepsPerWg; ++sl) {
+      const int s = c * kQkStepsPerWg + sl;  // dims [32s, 32s + 32): block s / 4, byte 32 * (s % 4) of the row
+      wgmma_m64n64k32_e4m3_rs(s_acc, qa[sl], make_smem_desc_sw128(base + (s >> 2) * kKBlockBytes + (s & 3) * 32),
+                              sl > 0 ? 1 : 0);
+    }
+  };
+  auto issue_pv = [&](int st) {
+    const uint32_t base = smem_u32(sm.vt_tile[st]) + c * (kVHalf / 8) * kVtGroupBytes;
+#pragma unroll
+    for (int kk = 0; kk < 2; ++kk)
+      wgmma_m64n256k32_e4m3_rs(o, pa[kk], make_smem_desc(base + kk * 2 * kCoreBytes, kCoreBytes, kVtGroupBytes), 1);
+  };
+  // Part 1 (runs while PV of the previous tile is still on the tensor cores): sum the two partial
+  // S, mask, online-softmax statistics, P = 2^(z - m + 8) into s_acc. Returns the O rescale factors.
+  auto softmax_stats = [&](int jt, float (&alpha)[2]) {
+    float4* mine = &sm.xchg[c][0][0];
+    const float4* other = &sm.xchg[c ^ 1][0][0];
+#pragma unroll
+    for (int v = 0; v < kXchgVecs; ++v)
+      mine[v * kWarpgroup + ctid] = make_float4(s_acc[4 * v], s_acc[4 * v + 1], s_acc[4 * v + 2], s_acc[4 * v + 3]);
+    named_bar_sync(kBarConsumers, 2 * kWarpgroup);  // partner's partial written
+#pragma unroll
+    for (int v = 0; v < kXchgVecs; ++v) {
+      const float4 x = other[v * kWarpgroup + ctid];
+      s_acc[4 * v] += x.x;  // a + b == b + a: both consumers hold bitwise-equal S
+      s_acc[4 * v + 1] += x.y;
+      s_acc[4 * v + 2] += x.z;
+      s_acc[4 * v + 3] += x.w;
+    }
+    named_bar_sync(kBarConsumers, 2 * kWarpgroup);  // partner done reading mine: the buffer is free
+    float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int jb = 0; jb < 8; ++jb) {
+      // keys 8jb + 2qd + {0, 1} of tile jt: -1 marks a skipped / padded slot
+      const int2 sv = *reinterpret_cast<const int2*>(&sm.slots[jt * kTileKeys + jb * 8 + 2 * qd]);
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const bool ok = (e == 0 ? sv.x : sv.y) >= 0;
+#pragma unroll
+        for (int rh = 0; rh < 2; ++rh) {
+          float& x = s_acc[jb * 4 + rh * 2 + e];
+          x = ok ? x : -INFINITY;
+          mx[rh] = fmaxf(mx[rh], x);
+        }
+      }
+    }
+    float bias[2];
+#pragma unroll
+    for (int rh = 0; rh < 2; ++rh) {
+      mx[rh] = fmaxf(mx[rh], __shfl_xor_sync(0xffffffffu, mx[rh], 1));
+      mx[rh] = fmaxf(mx[rh], __shfl_xor_sync(0xffffffffu, mx[rh], 2));
+      const float m_new = fmaxf(m_run[rh], mx[rh] * f[rh]);  // f > 0: -inf stays -inf
+      alpha[rh] = m_run[rh] == -INFINITY ? 0.f : ex2(m_run[rh] - m_new);
+      bias[rh] = m_new == -INFINITY ? 0.f : kPOffset - m_new;
+      m_run[rh] = m_new;
+    }
+    float rs[2] = {0.f, 0.f};
+#pragma unroll
+    for (int i = 0; i < 32; ++i) {
+      const int rh = (i >> 1) & 1;
+      const float pv = ex2(fmaf(s_acc[i], f[rh], bias[rh]));  // masked: 2^-inf = 0
+      s_acc[i] = pv;
+      rs[rh] += pv;
+    }
+#pragma unroll
+    for (int rh = 0; rh < 2; ++rh) l_run[rh] = l_run[rh] * alpha[rh] + rs[rh];
+  };
+  // Part 2 (after the previous PV completed): rescale O, pack P as e4m3 A fragments.
+  auto softmax_apply = [&](const float (&alpha)[2]) {
+    if (alpha[0] != 1.f || alpha[1] != 1.f) {
+#pragma unroll
+      for (int i = 0; i < kVHalf / 2; ++i) o[i] *= alpha[(i >> 1) & 1];
+    }
+#pragma unroll
+    for (int kk = 0; kk < 2; ++kk) {
+      const float* s = s_acc + 16 * kk;
+      pa[kk][0] = pack_e4m3x4(s[0], s[1], s[4], s[5]);
+      pa[kk][1] = pack_e4m3x4(s[2], s[3], s[6], s[7]);
+      pa[kk][2] = pack_e4m3x4(s[8], s[9], s[12], s[13]);
+      pa[kk][3] = pack_e4m3x4(s[10], s[11], s[14], s[15]);
+    }
+  };
+
+  float alpha[2];
+  // ---- tile 0: QK^T
+  mbar_wait(&sm.full_k[0], 0);
+  fence_proxy_async();
+  wgmma_fence();
+  issue_qk(0);
+  wgmma_commit();
+  wgmma_wait<0>();
+  fence_regs(s_acc);
+  warp_arrive(&sm.empty_k[0]);
+  softmax_stats(0, alpha);
+  softmax_apply(alpha);
+  // ---- steady state: QK^T(j+1) then PV(j) on the tensor cores; the softmax statistics of
+  // tile j+1 overlap PV(j)
+  for (int j = 0; j + 1 < n_tiles; ++j) {
+    const int kst1 = (j + 1) % kKStages, vst = j % kVStages;
+    mbar_wait(&sm.full_k[kst1], ((j + 1) / kKStages) & 1);
+    mbar_wait(&sm.full_v[vst], (j / kVStages) & 1);
+    fence_proxy_async();
+    wgmma_fence();
+    issue_qk(kst1);
+    wgmma_commit();
+    issue_pv(vst);
+    wgmma_commit();
+    wgmma_wait<1>();  // QK^T(j+1) done
+    fence_regs(s_acc);
+    warp_arrive(&sm.empty_k[kst1]);
+    softmax_stats(j + 1, alpha);
+    wgmma_wait<0>();  // PV(j) done
+    fence_regs(o);
+    warp_arrive(&sm.empty_v[vst]);
+    softmax_apply(alpha);
+  }
+  {  // ---- last PV
+    const int j = n_tiles - 1, vst = j % kVStages;
+    mbar_wait(&sm.full_v[vst], (j / kVStages) & 1);
+    fence_proxy_async();
+    wgmma_fence();
+    issue_pv(vst);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs(o);
+  }
+
+  // ---- epilogue: out = O * kv_scale / l (bf16), lse = ln2 * (m - 8 + log2 l)
+  __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.out);
+#pragma unroll
+  for (int rh = 0; rh < 2; ++rh) {
+    float l = l_run[rh];
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    if (!row_ok[rh]) continue;
+    const bool empty = l == 0.f;  // no valid slot (a valid key contributes 2^8)
+    const float scale = empty ? 0.f : p.kv_scale / l;
+    // re-derived here rather than kept live through the main loop (the consumer is at its register cap)
+    const CtaWork w = cta_work<kHeadBlocks>(p);
+    const int64_t row = w.t * p.num_heads + static_cast<int64_t>(w.hb) * kHeadsPerCta + row0 + 8 * rh;
+    __nv_bfloat16* orow = out + row * kVDim + c * kVHalf + 4 * qd;
+#pragma unroll
+    for (int jj = 0; jj < kVHalf / 16; ++jj) {
+      // V^T row order: accumulator column block 2jj holds even dims, 2jj+1 odd dims of 16jj..16jj+15
+      const float* a = o + 8 * jj + 2 * rh;
+      const __nv_bfloat162 lo = __floats2bfloat162_rn(a[0] * scale, a[4] * scale);
+      const __nv_bfloat162 hi = __floats2bfloat162_rn(a[1] * scale, a[5] * scale);
+      uint2 packed;
+      packed.x = *reinterpret_cast<const uint32_t*>(&lo);
+      packed.y = *reinterpret_cast<const uint32_t*>(&hi);
+      *reinterpret_cast<uint2*>(orow + 16 * jj) = packed;
+    }
+    if (c == 0 && qd == 0 && p.lse != nullptr)
+      p.lse[row] = empty ? -INFINITY : (m_run[rh] - kPOffset + log2f(l)) * kLn2;
+  }
+}
+
+// kRows: real heads in the 64-row block (16, 32, 64); kHeadBlocks: 64-head blocks per token (1, 2).
+template <int kRows, int kHeadBlocks>
+__global__ void __launch_bounds__(kThreads, 1) sparse_mla_fp8_kernel(const DsaSparseMlaParams p) {
+  extern __shared__ __align__(128) uint8_t smem_raw[];
+  // the swizzle pattern is a function of the shared-memory address: align the K tiles to 1024
+  Fp8Smem& sm = *reinterpret_cast<Fp8Smem*>(smem_raw + ((kSmemAlign - (smem_u32(smem_raw) & (kSmemAlign - 1))) &
+                                                         (kSmemAlign - 1)));
+  if (threadIdx.x == 0) {
+#pragma unroll
+    for (int s = 0; s < kKStages; ++s) {
+      mbar_init(&sm.full_k[s], kGatherWarps * 32);          // one cp.async arrival per gather thread
+      mbar_init(&sm.empty_k[s], 8 + kTransposeWarps);      // 8 consumer warps + the transpose warps
+    }
+#pragma unroll
+    for (int s = 0; s < kVStages; ++s) {
+      mbar_init(&sm.full_v[s], kTransposeWarps * 32);
+      mbar_init(&sm.empty_v[s], 8);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  {  // the token's slots, padded with -1 to whole tiles; out-of-range slots are skipped too
+    const CtaWork w = cta_work<kHeadBlocks>(p);
+    const int32_t* slots_row = p.slots + w.t * p.topk;
+    constexpr int kPerThread = kMaxTopk / kThreads + 1;
+    int32_t v[kPerThread];
+#pragma unroll
+    for (int r = 0; r < kPerThread; ++r) {  // all loads first: one memory latency, not kPerThread
+      const int i = threadIdx.x + r * kThreads;
+      v[r] = i < p.topk ? __ldg(slots_row + i) : -1;
+    }
+#pragma unroll
+    for (int r = 0; r < kPerThread; ++r) {
+      const int i = threadIdx.x + r * kThreads;
+      if (i < w.n_tiles * kTileKeys) sm.slots[i] = (v[r] < 0 || static_cast<int64_t>(v[r]) >= p.num_slots) ? -1 : v[r];
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x < kWarpgroup) {
+    setmaxnreg_dec<kProducerRegs>();
+    const CtaWork w = cta_work<kHeadBlocks>(p);
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    if (warp < kGatherWarps)
+      gather_crew(sm, static_cast<const uint8_t*>(p.pool), w.n_tiles, warp, lane);
+    else
+      transpose_crew(sm, w.n_tiles, warp - kGatherWarps, lane);
+  } else {
+    setmaxnreg_inc<kConsumerRegs>();
+    const CtaWork w = cta_work<kHeadBlocks>(p);
+    consumer<kRows, kHeadBlocks>(sm, p, w.t, w.hb, w.n_tiles, threadIdx.x / kWarpgroup - 1);
+  }
+}
+
+}  // namespace dsa_sparse_mla
