@@ -1,0 +1,71 @@
+"""Whole DSA decode attention per layer (indexer logits + top-k/translate + sparse MLA, s_q=1) on
+the paged fp8 caches, beside FlashMLA's dense decode on the same H200 (h200_peer_anchors.md).
+
+    python benchmarks/bench_dsa_decode.py [--batches 1 128] [--context 131072]
+
+Timed as one CUDA graph of the three ops (events, median of 30, pools scattered at random).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from bench_engine import _time
+from dsa_trt.config import PAGE_SIZE
+from dsa_trt.plugins import cuda_ops
+
+HEADS, INDEX_HEADS, TOPK = 128, 64, 2048
+DENSE_FLASHMLA_US = {1: 84.0, 128: 7597.0}  # h200_peer_anchors.md, 128K, bf16 KV
+PEERS_PIECES_US = {1: 98.0, 128: 1023.0}  # DeepGEMM logits + FlashInfer top-k + FlashMLA sparse
+TARGET_US = {1: 34.0, 128: 760.0}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 128])
+    ap.add_argument("--context", type=int, default=131072)
+    a = ap.parse_args()
+    cuda_ops.load("cuda")
+    dev = "cuda"
+    print("| batch | context | logits µs | top-k µs | sparse MLA µs | DSA total µs | FlashMLA dense µs | peers' pieces µs | target µs |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for b in a.batches:
+        pages = a.context // PAGE_SIZE
+        num_pages = b * pages
+        idx_pool = torch.randint(0, 120, (num_pages, PAGE_SIZE * 132), dtype=torch.uint8, device=dev)
+        idx_pool.view(num_pages, -1)[:, PAGE_SIZE * 128:].view(torch.float32).uniform_(0.5, 1.5)
+        mla_pool = torch.randint(0, 120, (num_pages, PAGE_SIZE, 576), dtype=torch.uint8, device=dev)
+        table = torch.randperm(num_pages, device=dev, dtype=torch.int64).to(torch.int32).view(b, pages)
+        req = torch.arange(b, dtype=torch.int32, device=dev)
+        lens = torch.full((b,), a.context, dtype=torch.int32, device=dev)
+        q_i = (torch.randn(b, INDEX_HEADS, 128, device=dev)).to(torch.float8_e4m3fn)
+        w = torch.rand(b, INDEX_HEADS, device=dev)
+        q = torch.randn(b, HEADS, 576, device=dev, dtype=torch.bfloat16)
+        ops = torch.ops.dsa
+        logits = ops.indexer_logits(q_i, w, idx_pool, table, req, lens)
+        slots = ops.topk_translate(logits, lens, table, req, TOPK)
+        t_logits = _time(lambda: ops.indexer_logits(q_i, w, idx_pool, table, req, lens))
+        t_topk = _time(lambda: ops.topk_translate(logits, lens, table, req, TOPK))
+        t_mla = _time(lambda: ops.sparse_mla(q, mla_pool, slots, 0.01, 0.1352))
+
+        def chain():
+            lg = ops.indexer_logits(q_i, w, idx_pool, table, req, lens)
+            sl = ops.topk_translate(lg, lens, table, req, TOPK)
+            return ops.sparse_mla(q, mla_pool, sl, 0.01, 0.1352)
+
+        g = torch.cuda.CUDAGraph()
+        chain()
+        with torch.cuda.graph(g):
+            chain()
+        total = _time(g.replay, iters=30)
+        print(f"| {b} | {a.context} | {t_logits:.1f} | {t_topk:.1f} | {t_mla:.1f} | {total:.1f} | "
+              f"{DENSE_FLASHMLA_US.get(b, float('nan'))} | {PEERS_PIECES_US.get(b, float('nan'))} | "
+              f"{TARGET_US.get(b, float('nan'))} |", flush=True)
+        del idx_pool, mla_pool, logits, slots
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
