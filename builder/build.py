@@ -1,25 +1,33 @@
 """`make engine`: checkpoint -> calibrate -> export -> compile, one engine per rank (DESIGN §2).
 
     python -m dsa_trt.builder.build --checkpoint DIR --out ENGINE_DIR [--tp 1] [--cache fp8]
+
+Calibration (fp8 cache) runs ModelOpt fp8 PTQ once on the full network (the MLA latent is
+replicated across ranks, so every rank gets the same per-layer scales) and writes
+quant/fp8-kv-per-layer.json. With --tp N every rank's network is sliced from the checkpoint at
+export time (export/sharding.py) and exported and compiled into rank<r>.* files.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
-import json
 import shutil
 import sys
 import time
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
-from dsa_trt.calibration.kv_scale import KV_RECIPE, kv_amax_per_layer, kv_scales_from_amax
+from dsa_trt.calibration.kv_scale import KV_RECIPE, token_sequences
+from dsa_trt.calibration.modelopt_kv import CalibrationError, KVCalibration, calibrate_kv_cache
 from dsa_trt.config import ConfigError
 from dsa_trt.engine_config import EngineConfig
 from dsa_trt.export.checkpoint import Checkpoint, CheckpointError
 from dsa_trt.export.program import build_network, export_program
+from dsa_trt.export.sharding import check_tp
 from dsa_trt.runtime.tokenizer import Tokenizer
 
 DEFAULT_CALIB_TEXT = Path(__file__).resolve().parent.parent / "export" / "data" / "corpus.txt"
@@ -34,18 +42,24 @@ def _log(msg: str, t0: float) -> None:
     print(f"[{time.perf_counter() - t0:7.1f}s] {msg}", flush=True)
 
 
-def calibration_sequences(tok: Tokenizer, text: str, seq_len: int = 256, max_seqs: int = 8) -> list[list[int]]:
-    ids = tok.encode(text, add_bos=False)
-    if len(ids) < 16:
-        raise BuildError(f"calibration text has only {len(ids)} tokens; give a longer --calib-file")
-    seqs = [[tok.bos_token_id or 0] + ids[i : i + seq_len - 1] for i in range(0, len(ids), seq_len - 1)]
-    return [s for s in seqs if len(s) > 8][:max_seqs]
+def _bar(desc: str, **kw) -> functools.partial:
+    """A tqdm progress wrapper for an iterable (stderr; the log lines above stay on stdout)."""
+    return functools.partial(tqdm, desc=f"{desc:<22}", dynamic_ncols=True, file=sys.stderr, **kw)
 
 
-def calibrate(ckpt: Checkpoint, calib_text: str, device: str) -> list[float]:
-    net = build_network(ckpt, cache_mode="fp32", dtype=torch.float32, device=device)
+def calibration_sequences(tok: Tokenizer, text: str) -> list[list[int]]:
+    try:
+        return token_sequences(tok.encode(text, add_bos=False), tok.bos_token_id)
+    except ValueError as e:
+        raise BuildError(str(e)) from e
+
+
+def calibrate(ckpt: Checkpoint, calib_text: str, device: str, calib_source: str = "") -> KVCalibration:
+    """ModelOpt fp8 PTQ of the per-layer MLA-cache scale on the full (TP=1) network, fp32 caches."""
+    net = build_network(ckpt, cache_mode="fp32", dtype=torch.float32, device=device, progress=_bar("load (calibration)"))
     tok = Tokenizer(ckpt.tokenizer_path, ckpt.config.bos_token_id, ckpt.config.eos_token_id)
-    return kv_scales_from_amax(kv_amax_per_layer(net, calibration_sequences(tok, calib_text)))
+    seqs = calibration_sequences(tok, calib_text)
+    return calibrate_kv_cache(net, seqs, progress=_bar("calibrate (ModelOpt)"), calib_source=calib_source)
 
 
 def resolve_compiler(name: str) -> str:
@@ -67,8 +81,6 @@ def build_engine(checkpoint: str | Path, out: str | Path, tp: int = 1, cache_mod
     compiler = resolve_compiler(compiler)
     if compiler != "aoti":
         raise BuildError(f"compiler {compiler!r} is not wired into this builder yet; use --compiler aoti")
-    if tp != 1:
-        raise BuildError(f"--tp {tp}: only tp=1 is built by this version")
     if device == "cuda":
         from dsa_trt.plugins import cuda_ops
 
@@ -76,18 +88,18 @@ def build_engine(checkpoint: str | Path, out: str | Path, tp: int = 1, cache_mod
 
     ckpt = Checkpoint(checkpoint)
     cfg = ckpt.config
+    check_tp(cfg, tp)
     _log(f"checkpoint {checkpoint}: {cfg.model_type}, {cfg.num_hidden_layers} layers, validated", t0)
 
     kv_scales = [1.0] * cfg.num_hidden_layers
     out.mkdir(parents=True, exist_ok=True)
     if cache_mode == "fp8":
-        text = Path(calib_file or DEFAULT_CALIB_TEXT).read_text(encoding="utf-8")
-        kv_scales = calibrate(ckpt, text, device)
-        (out / "quant").mkdir(exist_ok=True)
-        (out / "quant" / f"{KV_RECIPE}.json").write_text(
-            json.dumps({"recipe": KV_RECIPE, "kv_scales": kv_scales}, indent=2) + "\n"
-        )
-        _log(f"calibrated per-layer MLA cache scales: {[f'{s:.3g}' for s in kv_scales]}", t0)
+        calib_path = Path(calib_file or DEFAULT_CALIB_TEXT)
+        cal = calibrate(ckpt, calib_path.read_text(encoding="utf-8"), device, calib_source=calib_path.name)
+        kv_scales = cal.kv_scales
+        artifact = cal.save(out / "quant")
+        _log(f"ModelOpt {cal.modelopt_version} calibrated {cal.num_tokens} tokens -> {artifact.relative_to(out)}: "
+             f"MLA cache scales {[f'{s:.3g}' for s in kv_scales]}", t0)
 
     torch_dtype = getattr(torch, dtype)
     cfg_out = EngineConfig(
@@ -96,26 +108,49 @@ def build_engine(checkpoint: str | Path, out: str | Path, tp: int = 1, cache_mod
         versions={"torch": torch.__version__, "python": sys.version.split()[0]},
     )
     for rank in range(tp):
+        # one load per rank; the sparse and dense-prefill programs differ only in net.dense_prefill
+        net = build_network(ckpt, cache_mode, torch_dtype, kv_scales, device=device, tp_rank=rank, tp_size=tp,
+                            progress=_bar(f"load rank {rank}/{tp}", unit="tensor"))
+        bar = tqdm(total=4, desc=f"{f'export+compile rank {rank}':<22}", unit="step", dynamic_ncols=True,
+                   file=sys.stderr)
         for dense in (False, True):
-            net = build_network(ckpt, cache_mode, torch_dtype, kv_scales, dense_prefill=dense, device=device)
+            net.dense_prefill = dense
+            kind = "dense-prefill" if dense else "sparse"
+            bar.set_postfix_str(f"export {kind}")
             ep = export_program(net, max_num_tokens=max_num_tokens, device=device)
+            bar.update()
             name = cfg_out.rank_file(rank, dense=dense)
-            _log(f"rank {rank}: exported {'dense-prefill' if dense else 'sparse'} program; compiling {name}", t0)
+            bar.set_postfix_str(f"compile {name}")
             torch._inductor.aoti_compile_and_package(ep, package_path=str(out / name))
-            del net, ep
+            bar.update()
+            del ep
+        bar.close()
+        del net
     for f in TOKENIZER_FILES:
         src = Path(checkpoint) / f
         if src.is_file():
             shutil.copy(src, out / f)
     cfg_out.save(out)
-    sizes = sum(p.stat().st_size for p in out.glob("rank*"))
-    bpt = cfg_out.cache_bytes_per_token
-    _log(
-        f"engine -> {out}: {tp} rank(s), {compiler} on {device}, {sizes / 2**20:.1f} MiB of programs, "
-        f"cache {bpt} B/token ({cache_mode}), {2**30 // bpt:,} tokens per GiB of cache",
-        t0,
-    )
+    _log(f"engine -> {out}", t0)
+    print(build_summary(out, cfg_out), flush=True)
     return cfg_out
+
+
+def build_summary(out: Path, cfg: EngineConfig) -> str:
+    """The closing table: ranks and their program sizes, cache bytes per token, tokens per GiB."""
+    bpt = cfg.cache_bytes_per_token
+    lines = [f"  engine      {out}  ({cfg.model.model_type}, {cfg.compiler} on {cfg.device}, {cfg.dtype}, "
+             f"cache {cfg.cache_mode})"]
+    for rank in range(cfg.tp_size):
+        files = [cfg.rank_file(rank), cfg.rank_file(rank, dense=True)]
+        sizes = [(out / f).stat().st_size / 2**20 for f in files if (out / f).is_file()]
+        lines.append(f"  rank {rank:<6} {' + '.join(f'{f} {s:.1f} MiB' for f, s in zip(files, sizes))}")
+    lines.append(f"  cache       {bpt:,} B/token on every rank ({cfg.model.num_hidden_layers} layers x "
+                 f"{bpt // cfg.model.num_hidden_layers} B: MLA latent + indexer key, replicated across ranks)")
+    lines.append(f"  capacity    {2**30 // bpt:,} tokens per GiB of cache memory per rank")
+    if cfg.quant_recipe:
+        lines.append(f"  quant       quant/{cfg.quant_recipe}.json (scales {', '.join(f'{s:.3g}' for s in cfg.kv_scales)})")
+    return "build summary\n" + "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -132,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     try:
         build_engine(a.checkpoint, a.out, a.tp, a.cache, a.compiler, a.device, a.dtype, a.calib_file, a.max_num_tokens)
-    except (BuildError, CheckpointError, ConfigError, FileNotFoundError) as e:
+    except (BuildError, CalibrationError, CheckpointError, ConfigError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -138,16 +138,19 @@ class MoE(nn.Module):
     op is the place to change that for the 671B model.
     """
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, expert_range: tuple[int, int] | None = None):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, expert_range: tuple[int, int] | None = None,
+                 tp_size: int = 1):
         super().__init__()
         self.gate = Router(cfg, cfg.n_routed_experts)
         lo, hi = expert_range or (0, cfg.n_routed_experts)
         self.expert_lo, self.expert_hi = lo, hi
+        self.tp_size = tp_size
         self.experts = nn.ModuleDict(
             {str(e): SwiGLU(cfg.hidden_size, cfg.moe_intermediate_size, dtype) for e in range(lo, hi)}
         )
+        # tensor parallel: this rank's experts [lo, hi) and 1/tp of the shared experts' width
         self.shared_experts = (
-            SwiGLU(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, dtype)
+            SwiGLU(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts // tp_size, dtype)
             if cfg.n_shared_experts
             else None
         )
@@ -159,4 +162,6 @@ class MoE(nn.Module):
             out = out + combine[:, e : e + 1] * self.experts[str(e)](x).float()
         if self.shared_experts is not None:
             out = out + self.shared_experts(x).float()
+        if self.tp_size > 1:  # partial sums of the ranks, added in fp32
+            out = torch.ops.dsa.all_reduce(out, self.tp_size)
         return out.to(x.dtype)

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import dsa_trt.plugins.collectives  # noqa: F401  (registers torch.ops.dsa.all_reduce)
 import dsa_trt.plugins.ops  # noqa: F401  (registers torch.ops.dsa.*)
 from dsa_trt.config import ModelConfig
 from dsa_trt.plugins.pools import allocate_pools  # noqa: F401  (re-exported for export/builder)
@@ -33,6 +34,7 @@ from .layers import (
     rope_half_split,
     rope_interleaved,
 )
+from .sharding import check_tp, local_experts
 
 CACHE_MODES = ("fp8", "bf16", "fp32")
 
@@ -74,13 +76,29 @@ class Indexer(nn.Module):
         return torch.ops.dsa.topk_translate(logits, seq_lens, page_table, req_idx, cfg.index_topk)
 
 
-class DSAAttention(nn.Module):
-    """MLA with DSA (spec §3). Sparse path in the absorbed (MQA) form over the 576-d latent cache."""
+class KVCacheQuantizerSlot(nn.Module):
+    """Identity on the MLA cache write's input (c_kv, k_pe): adds no node to the exported program.
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, num_heads: int | None = None):
+    It marks the one place where the 576-d latent enters the fp8 cache, so calibration can attach
+    a ModelOpt fp8 quantizer here by module type and name (calibration/modelopt_kv.py).
+    """
+
+    def forward(self, c_kv: torch.Tensor, k_pe: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return c_kv, k_pe
+
+
+class DSAAttention(nn.Module):
+    """MLA with DSA (spec §3). Sparse path in the absorbed (MQA) form over the 576-d latent cache.
+
+    Tensor parallel: this rank holds num_attention_heads / tp_size heads; the latent, the caches
+    and the indexer are replicated; o_proj's output is a partial sum, all-reduced over the ranks.
+    """
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, tp_size: int = 1):
         super().__init__()
         self.cfg = cfg
-        self.num_heads = num_heads or cfg.num_attention_heads  # local heads (tensor parallel)
+        self.tp_size = tp_size
+        self.num_heads = cfg.num_attention_heads // tp_size  # local heads
         h = self.num_heads
         self.q_a_proj = linear(cfg.hidden_size, cfg.q_lora_rank, dtype)
         self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, 1e-6)
@@ -90,6 +108,7 @@ class DSAAttention(nn.Module):
         self.kv_b_proj = linear(cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim), dtype)
         self.o_proj = linear(h * cfg.v_head_dim, cfg.hidden_size, dtype)
         self.indexer = Indexer(cfg, dtype)
+        self.kv_cache_quantizer = KVCacheQuantizerSlot()
         self.kv_scale = 1.0  # per-layer MLA cache scale (fp8 mode), set from calibration
 
     def forward(self, x, cos, sin, meta: dict, mla_pool, index_pool, cache_mode: str, dense: bool):
@@ -102,6 +121,7 @@ class DSAAttention(nn.Module):
         kv = self.kv_a_proj_with_mqa(x)
         c_kv = self.kv_a_layernorm(kv[:, : cfg.kv_lora_rank])
         k_pe = rope_interleaved(kv[:, cfg.kv_lora_rank :], cos, sin)
+        c_kv, k_pe = self.kv_cache_quantizer(c_kv, k_pe)
         torch.ops.dsa.mla_cache_write(c_kv, k_pe, meta["slot_mapping"], mla_pool, self.kv_scale)
 
         w_kvb = self.kv_b_proj.weight.view(h, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
@@ -119,7 +139,8 @@ class DSAAttention(nn.Module):
             q_abs = torch.cat([q_lat, q_pe], dim=-1)  # [T, H, 576]
             o_lat, _ = torch.ops.dsa.sparse_mla(q_abs, mla_pool, slots, self.kv_scale, cfg.softmax_scale)
             out = torch.einsum("thc,hvc->thv", o_lat.to(x.dtype), w_uv)  # [T, H, v]
-        return self.o_proj(out.reshape(num_tokens, h * cfg.v_head_dim))
+        out = self.o_proj(out.reshape(num_tokens, h * cfg.v_head_dim))
+        return torch.ops.dsa.all_reduce(out, self.tp_size) if self.tp_size > 1 else out
 
     def _index_k(self, x, cos, sin):
         ix = self.indexer
@@ -143,40 +164,56 @@ class DSAAttention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1):
         super().__init__()
+        self.tp_size = tp_size
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = DSAAttention(cfg, dtype)
-        if layer_idx < cfg.first_k_dense_replace:
-            self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, dtype)
+        self.self_attn = DSAAttention(cfg, dtype, tp_size)
+        self.dense_mlp = layer_idx < cfg.first_k_dense_replace
+        if self.dense_mlp:  # intermediate dim split; the MoE all-reduces its own (fp32) sum
+            self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size // tp_size, dtype)
         else:
-            self.mlp = MoE(cfg, dtype)
+            self.mlp = MoE(cfg, dtype, local_experts(cfg, tp_rank, tp_size), tp_size)
 
     def forward(self, h, cos, sin, meta, mla_pool, index_pool, cache_mode, dense):
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, meta, mla_pool, index_pool, cache_mode, dense)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        m = self.mlp(self.post_attention_layernorm(h))
+        if self.dense_mlp and self.tp_size > 1:
+            m = torch.ops.dsa.all_reduce(m, self.tp_size)
+        return h + m
 
 
 class DSAModelBody(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList([DecoderLayer(cfg, i, dtype) for i in range(cfg.num_hidden_layers)])
+        self.layers = nn.ModuleList(
+            [DecoderLayer(cfg, i, dtype, tp_rank, tp_size) for i in range(cfg.num_hidden_layers)]
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class DSAForCausalLM(nn.Module):
-    """Parameter names equal the HF checkpoint's (``model.layers.0.self_attn.q_a_proj.weight``...)."""
+    """Parameter names equal the HF checkpoint's (``model.layers.0.self_attn.q_a_proj.weight``...).
+
+    ``tp_rank``/``tp_size``: this module is rank ``tp_rank``'s shard of a tensor-parallel engine
+    (export/sharding.py says which slice of each checkpoint tensor it holds); every rank returns
+    the same full logits.
+    """
 
     def __init__(self, cfg: ModelConfig, cache_mode: str = "bf16", dtype: torch.dtype = torch.bfloat16,
-                 dense_prefill: bool = False):
+                 dense_prefill: bool = False, tp_rank: int = 0, tp_size: int = 1):
         super().__init__()
         if cache_mode not in CACHE_MODES:
             raise ValueError(f"cache_mode {cache_mode!r} not in {CACHE_MODES}")
+        check_tp(cfg, tp_size)
+        if not 0 <= tp_rank < tp_size:
+            raise ValueError(f"tp_rank {tp_rank} not in [0, {tp_size})")
         self.cfg, self.cache_mode, self.dtype, self.dense_prefill = cfg, cache_mode, dtype, dense_prefill
-        self.model = DSAModelBody(cfg, dtype)
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.model = DSAModelBody(cfg, dtype, tp_rank, tp_size)
         self.lm_head = linear(cfg.hidden_size, cfg.vocab_size, dtype)
         self.register_buffer("inv_freq", cfg.rope_inv_freq(), persistent=False)
 

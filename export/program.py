@@ -7,6 +7,8 @@ The same ExportedProgram feeds AOTInductor (here) and the ONNX/TensorRT path (bu
 
 from __future__ import annotations
 
+from typing import Callable, Iterable
+
 import torch
 from torch.export import Dim, ExportedProgram, export
 
@@ -14,7 +16,11 @@ from dsa_trt.config import ModelConfig
 from dsa_trt.runtime.step_inputs import StepInputs
 
 from .checkpoint import Checkpoint
+from .layers import hadamard_matrix
 from .network import DSAForCausalLM, allocate_pools
+from .sharding import shard_tensor
+
+Progress = Callable[[Iterable], Iterable]  # e.g. functools.partial(tqdm, desc="load")
 
 
 def build_network(
@@ -24,20 +30,28 @@ def build_network(
     kv_scales: list[float] | None = None,
     dense_prefill: bool = False,
     device: str | torch.device = "cpu",
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    progress: Progress | None = None,
 ) -> DSAForCausalLM:
-    """Our network with the checkpoint's weights (fp8 blocks dequantised), in eval mode."""
+    """Rank ``tp_rank``'s network with the checkpoint's weights (fp8 blocks dequantised, then sliced
+    by export/sharding.py), in eval mode. ``progress`` wraps the loop over the tensors."""
     cfg = ckpt.config
     with torch.device("meta"):
-        net = DSAForCausalLM(cfg, cache_mode=cache_mode, dtype=dtype, dense_prefill=dense_prefill)
+        net = DSAForCausalLM(cfg, cache_mode=cache_mode, dtype=dtype, dense_prefill=dense_prefill,
+                             tp_rank=tp_rank, tp_size=tp_size)
     state = {}
-    for name, param in net.state_dict().items():
-        state[name] = ckpt.get(name, dtype=param.dtype).to(device)
+    items = list(net.state_dict().items())
+    for name, param in progress(items) if progress else items:
+        t = shard_tensor(name, ckpt.get(name, dtype=param.dtype), tp_rank, tp_size)
+        if t.shape != param.shape:
+            raise ValueError(f"{name}: rank {tp_rank}/{tp_size} shard has shape {tuple(t.shape)}, "
+                             f"the network expects {tuple(param.shape)}")
+        state[name] = t.to(device)
     net.load_state_dict(state, strict=True, assign=True)
     # non-persistent buffers were created on meta: rebuild them on the target device
     net.inv_freq = cfg.rope_inv_freq().to(device)
     for layer in net.model.layers:
-        from .layers import hadamard_matrix
-
         layer.self_attn.indexer.hadamard = hadamard_matrix(cfg.index_head_dim).to(device)
     if kv_scales is not None:
         net.set_kv_scales(kv_scales)

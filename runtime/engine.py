@@ -14,6 +14,7 @@ from typing import Callable
 
 import torch
 
+import dsa_trt.plugins.collectives  # noqa: F401  (dsa::all_reduce, called by tensor-parallel programs)
 import dsa_trt.plugins.ops  # noqa: F401  (registers torch.ops.dsa.* before any program loads)
 from dsa_trt.engine_config import EngineConfig, EngineDirError
 
