@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
-from dsa_trt.engine_config import EngineDirError
+from dsa_trt.engine_config import EngineConfig, EngineDirError
 
 from .sampling import SamplingParams
 
@@ -14,7 +15,18 @@ from .sampling import SamplingParams
 def _generate(a: argparse.Namespace) -> int:
     from .llm import LLM
 
-    llm = LLM(a.engine)
+    tp = EngineConfig.load(a.engine).tp_size
+    if tp == 1:
+        return _generate_with(LLM(a.engine), a)
+    from . import distributed  # one process per rank; rank 0 schedules, samples and prints
+
+    if "RANK" not in os.environ:
+        print(f"tensor-parallel engine (tp={tp}): launching {tp} ranks with torchrun", file=sys.stderr, flush=True)
+        return distributed.relaunch_with_torchrun(tp, ["dsa_trt.runtime.cli", *a.argv])
+    return distributed.run_tensor_parallel(a.engine, lambda engine: _generate_with(LLM(engine), a)) or 0
+
+
+def _generate_with(llm, a: argparse.Namespace) -> int:
     params = SamplingParams(
         temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, max_tokens=a.max_tokens, seed=a.seed,
         stop=a.stop or [],
@@ -47,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--stop", action="append")
     g.set_defaults(fn=_generate)
     a = ap.parse_args(argv)
+    a.argv = list(sys.argv[1:] if argv is None else argv)
     try:
         return a.fn(a)
     except (EngineDirError, ValueError) as e:
