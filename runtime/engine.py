@@ -47,8 +47,8 @@ class Engine:
 
             cuda_ops.load()
         if cfg.compiler == "aoti":
-            sparse = _load_aoti(engine_dir / cfg.rank_file(rank))
-            dense = _load_aoti(engine_dir / cfg.rank_file(rank, dense=True))
+            sparse = _load_aoti(engine_dir / cfg.rank_file(rank), dev)
+            dense = _load_aoti(engine_dir / cfg.rank_file(rank, dense=True), dev)
         elif cfg.compiler == "tensorrt":
             from .tensorrt_engine import load_plan  # thin adapter; needs `import tensorrt`
 
@@ -64,13 +64,20 @@ class Engine:
         return program(*step.as_tuple(), mla_pools, index_pools)
 
 
-def _load_aoti(path: Path) -> Program:
+def _load_aoti(path: Path, device: torch.device) -> Program:
     if not path.is_file():
         raise EngineDirError(f"{path}: missing; rebuild the engine directory with `make engine`")
+    device_index = -1
+    if device.type == "cuda":
+        # The CUDA context must exist before the package's runner is created (torch 2.11 segfaults
+        # in the loader of a fresh process otherwise).
+        device_index = device.index if device.index is not None else torch.cuda.current_device()
+        torch.cuda.set_device(device_index)
+        torch.empty(1, device=f"cuda:{device_index}")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
-            return torch._inductor.aoti_load_package(str(path))
+            return torch._inductor.aoti_load_package(str(path), device_index=device_index)
         except Exception as e:  # noqa: BLE001 - a corrupt or foreign package: say which file
             raise EngineDirError(f"{path}: cannot load this AOTInductor package ({type(e).__name__}: {e}); "
                                  "it may come from another torch version or device: rebuild it") from e
