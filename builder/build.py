@@ -71,16 +71,47 @@ def resolve_compiler(name: str) -> str:
     return name
 
 
+def check_onnx_options(compiler: str, emit_onnx: bool, cache_mode: str, device: str, dtype: str, tp: int) -> None:
+    """What the ONNX/TensorRT path supports (the plugin contract, plugins/tensorrt/PLUGINS.md)."""
+    if compiler != "tensorrt" and not emit_onnx:
+        return
+    what = "--compiler tensorrt" if compiler == "tensorrt" else "--emit-onnx"
+    if cache_mode not in ("fp8", "bf16"):
+        raise BuildError(f"{what}: the TensorRT plugins hold fp8 or bf16 caches, not {cache_mode}; use --cache fp8|bf16")
+    if compiler == "tensorrt":
+        if device != "cuda" or dtype != "bfloat16":
+            raise BuildError(f"--compiler tensorrt builds bfloat16 plans for CUDA, not {dtype} on {device}")
+        if tp != 1:
+            raise BuildError("--compiler tensorrt: the plugin library has no all-reduce plugin yet; "
+                             "tensor-parallel engines use --compiler aoti (--emit-onnx still writes their ONNX)")
+
+
+def compile_program(ep, onnx_ep, out: Path, name: str, compiler: str, emit_onnx: bool, profile, plugin_lib) -> None:
+    """One exported program -> its compiled file ``name`` (+ onnx/<name>.onnx for TensorRT or --emit-onnx)."""
+    if compiler == "tensorrt" or emit_onnx:
+        from .onnx_export import OnnxExportError, export_onnx
+        from .tensorrt_build import TensorRTBuildError, build_plan
+
+        try:
+            onnx_path = export_onnx(onnx_ep, out / "onnx" / Path(name).with_suffix(".onnx").name)
+            if compiler == "tensorrt":
+                build_plan(onnx_path, out / name, plugin_lib, profile)
+        except (OnnxExportError, TensorRTBuildError) as e:
+            raise BuildError(f"{name}: {e}") from e
+    if compiler == "aoti":
+        torch._inductor.aoti_compile_and_package(ep, package_path=str(out / name))
+
+
 def build_engine(checkpoint: str | Path, out: str | Path, tp: int = 1, cache_mode: str = "fp8",
                  compiler: str = "auto", device: str | None = None, dtype: str | None = None,
-                 calib_file: str | Path | None = None, max_num_tokens: int = 8192) -> EngineConfig:
+                 calib_file: str | Path | None = None, max_num_tokens: int = 8192,
+                 emit_onnx: bool = False) -> EngineConfig:
     t0 = time.perf_counter()
     out = Path(out)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = dtype or ("bfloat16" if device == "cuda" else "float32")
     compiler = resolve_compiler(compiler)
-    if compiler != "aoti":
-        raise BuildError(f"compiler {compiler!r} is not wired into this builder yet; use --compiler aoti")
+    check_onnx_options(compiler, emit_onnx, cache_mode, device, dtype, tp)
     if device == "cuda":
         from dsa_trt.plugins import cuda_ops
 
@@ -107,25 +138,36 @@ def build_engine(checkpoint: str | Path, out: str | Path, tp: int = 1, cache_mod
         max_num_tokens=max_num_tokens, kv_scales=kv_scales, quant_recipe=KV_RECIPE if cache_mode == "fp8" else None,
         versions={"torch": torch.__version__, "python": sys.version.split()[0]},
     )
+    profile = plugin_lib = None
+    if compiler == "tensorrt":
+        from .tensorrt_build import Profile, install_plugin_library
+
+        cfg_out.plugin_library = install_plugin_library(out)
+        plugin_lib = out / cfg_out.plugin_library
+        profile = Profile.from_limits(cfg_out.max_num_tokens, cfg_out.max_batch, cfg_out.max_pages_per_seq)
     for rank in range(tp):
         # one load per rank; the sparse and dense-prefill programs differ only in net.dense_prefill
         net = build_network(ckpt, cache_mode, torch_dtype, kv_scales, device=device, tp_rank=rank, tp_size=tp,
                             progress=_bar(f"load rank {rank}/{tp}", unit="tensor"))
+        # the ONNX is always the TensorRT graph: bf16 activations (a float32 build gets a bf16 copy for it)
+        onnx_net = net if not emit_onnx or torch_dtype == torch.bfloat16 else build_network(
+            ckpt, cache_mode, torch.bfloat16, kv_scales, device=device, tp_rank=rank, tp_size=tp)
         bar = tqdm(total=4, desc=f"{f'export+compile rank {rank}':<22}", unit="step", dynamic_ncols=True,
                    file=sys.stderr)
         for dense in (False, True):
-            net.dense_prefill = dense
+            net.dense_prefill = onnx_net.dense_prefill = dense
             kind = "dense-prefill" if dense else "sparse"
             bar.set_postfix_str(f"export {kind}")
             ep = export_program(net, max_num_tokens=max_num_tokens, device=device)
+            onnx_ep = ep if onnx_net is net else export_program(onnx_net, max_num_tokens=max_num_tokens, device=device)
             bar.update()
             name = cfg_out.rank_file(rank, dense=dense)
             bar.set_postfix_str(f"compile {name}")
-            torch._inductor.aoti_compile_and_package(ep, package_path=str(out / name))
+            compile_program(ep, onnx_ep, out, name, compiler, emit_onnx, profile, plugin_lib)
             bar.update()
-            del ep
+            del ep, onnx_ep
         bar.close()
-        del net
+        del net, onnx_net
     for f in TOKENIZER_FILES:
         src = Path(checkpoint) / f
         if src.is_file():
@@ -164,9 +206,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", choices=("bfloat16", "float32"), default=None)
     ap.add_argument("--calib-file", default=None)
     ap.add_argument("--max-num-tokens", type=int, default=8192)
+    ap.add_argument("--emit-onnx", action="store_true",
+                    help="also write onnx/rank<N>[.dense].onnx: the TensorRT graphs with plugin nodes (any machine)")
     a = ap.parse_args(argv)
     try:
-        build_engine(a.checkpoint, a.out, a.tp, a.cache, a.compiler, a.device, a.dtype, a.calib_file, a.max_num_tokens)
+        build_engine(a.checkpoint, a.out, a.tp, a.cache, a.compiler, a.device, a.dtype, a.calib_file, a.max_num_tokens,
+                     emit_onnx=a.emit_onnx)
     except (BuildError, CalibrationError, CheckpointError, ConfigError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
