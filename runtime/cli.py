@@ -1,9 +1,11 @@
-"""`dsa-trt` command line: generate from an engine directory (serve/bench: see README)."""
+"""`dsa-trt` command line: generate, serve (Triton) and bench over an engine directory."""
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
+import signal
 import sys
 import time
 
@@ -45,6 +47,99 @@ def _generate_with(llm, a: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(a: argparse.Namespace) -> int:
+    """Write the Triton model repository for the engine and run the bundled tritonserver."""
+    import tempfile
+    from pathlib import Path
+
+    from .triton import TritonServer, write_model_repository
+    from .triton.server import ServerError
+
+    work = Path(a.work_dir or tempfile.mkdtemp(prefix="dsa-trt-serve-"))
+    repo = write_model_repository(a.engine, a.model_repository or work / "model_repository", a.model_name,
+                                  num_pages=a.num_pages)
+    server = TritonServer(repo.path, a.http_port, a.grpc_port, a.metrics_port, address=a.address,
+                          inherit_output=True, extra_args=repo.server_args)
+    try:
+        server.start(work).wait_ready(a.ready_timeout)
+    except ServerError as e:
+        server.stop()
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    gen = f"http://{server.http_url}/v2/models/{a.model_name}"
+    print(f"dsa-trt serve: model repository {repo.path} ({', '.join(repo.models)})\n"
+          f"  HTTP     {gen}/generate   {gen}/generate_stream\n"
+          f"  gRPC     {server.grpc_url}   (decoupled: use a stream)\n"
+          f"  metrics  {server.metrics_url}\n"
+          f"  example  curl -s {gen}/generate -d '{{\"text_input\": \"Hello\", \"max_tokens\": 16}}'\n"
+          "Ctrl-C stops the server.", flush=True)
+    # The server runs in its own session: stop it on Ctrl-C and on SIGTERM, not only on our exit.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    try:
+        return server.process.wait()
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        server.stop()
+
+
+def _percentile(xs: list[float], q: float) -> float:
+    """Nearest-rank percentile (q in [0, 100]) of a non-empty list."""
+    ys = sorted(xs)
+    return ys[min(len(ys) - 1, max(0, math.ceil(len(ys) * q / 100) - 1))]
+
+
+def _bench(a: argparse.Namespace) -> int:
+    """Offline throughput: N random-token prompts submitted at once to AsyncLLM (continuous batching)."""
+    import asyncio
+
+    import torch
+
+    from .async_llm import AsyncLLM
+
+    if a.num_prompts < 1 or a.prompt_len < 1:
+        raise ValueError(f"--num-prompts {a.num_prompts} and --prompt-len {a.prompt_len} must be >= 1")
+    engine = AsyncLLM(a.engine, num_pages=a.num_pages)
+    try:
+        vocab = engine.llm.model_config.vocab_size
+        g = torch.Generator().manual_seed(a.seed)
+        prompts = torch.randint(2, vocab, (a.num_prompts, a.prompt_len), generator=g).tolist()
+        params = [SamplingParams(temperature=a.temperature, max_tokens=a.max_tokens, seed=a.seed + i, ignore_eos=True)
+                  for i in range(a.num_prompts)]
+        engine.submit(prompts[0], SamplingParams(max_tokens=2)).result()  # warm-up: first-call costs
+        first: list[float] = []  # seconds from t0 to a request's first token
+        last: list[float] = []  # ... to its last one
+        counts: list[int] = []
+
+        async def one(prompt: list[int], sp: SamplingParams, t0: float) -> None:
+            n = 0
+            async for d in engine.generate_async(prompt, sp):
+                if n == 0:
+                    first.append(time.perf_counter() - t0)
+                n += len(d.token_ids)
+            last.append(time.perf_counter() - t0)
+            counts.append(n)
+
+        async def run_all() -> float:
+            t0 = time.perf_counter()
+            await asyncio.gather(*(one(p, sp, t0) for p, sp in zip(prompts, params, strict=True)))
+            return time.perf_counter() - t0
+
+        wall = asyncio.run(run_all())
+    finally:
+        engine.shutdown()
+    gen = sum(counts)
+    ms = 1e3  # seconds -> milliseconds
+    print(f"dsa-trt bench: {a.num_prompts} prompts x {a.prompt_len} tokens -> {a.max_tokens} tokens each, "
+          f"temperature {a.temperature}, on {engine.llm.device}")
+    print(f"  {gen} tokens in {wall:.2f} s: {gen / wall:.1f} output tok/s, "
+          f"{(gen + a.num_prompts * a.prompt_len) / wall:.1f} total tok/s, {a.num_prompts / wall:.2f} requests/s")
+    print(f"  latency p50 {_percentile(last, 50) * ms:.0f} ms  p99 {_percentile(last, 99) * ms:.0f} ms; "
+          f"first token p50 {_percentile(first, 50) * ms:.0f} ms  p99 {_percentile(first, 99) * ms:.0f} ms "
+          "(all submitted at t=0)")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="dsa-trt")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -58,6 +153,27 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append")
     g.set_defaults(fn=_generate)
+    s = sub.add_parser("serve", help="serve the engine with Triton (decoupled python model, TRT-LLM schema)")
+    s.add_argument("--engine", required=True)
+    s.add_argument("--model-repository", default=None, help="where to write it (default: in --work-dir)")
+    s.add_argument("--work-dir", default=None, help="backend dir and repository (default: a new temp dir)")
+    s.add_argument("--model-name", default="dsa_trt")
+    s.add_argument("--address", default="127.0.0.1")
+    s.add_argument("--http-port", type=int, default=8000)
+    s.add_argument("--grpc-port", type=int, default=8001)
+    s.add_argument("--metrics-port", type=int, default=8002)
+    s.add_argument("--num-pages", type=int, default=None, help="cache pages (default: DSA_NUM_PAGES or sized)")
+    s.add_argument("--ready-timeout", type=float, default=300.0)
+    s.set_defaults(fn=_serve)
+    b = sub.add_parser("bench", help="offline throughput and latency over N prompts")
+    b.add_argument("--engine", required=True)
+    b.add_argument("--num-prompts", type=int, default=64)
+    b.add_argument("--prompt-len", type=int, default=32, help="tokens per prompt (random ids)")
+    b.add_argument("--max-tokens", type=int, default=32)
+    b.add_argument("--temperature", type=float, default=0.8)
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--num-pages", type=int, default=None)
+    b.set_defaults(fn=_bench)
     a = ap.parse_args(argv)
     a.argv = list(sys.argv[1:] if argv is None else argv)
     try:

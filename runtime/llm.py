@@ -150,18 +150,30 @@ class LLM:
             step = self.scheduler.schedule()
             if step is None:
                 return []
-            inputs = step.inputs.to(self.device)
-            if self.graphs is not None:
-                logits = self.graphs.forward(inputs)
-            else:
-                logits = self.engine.forward(inputs, self.mla_pools, self.index_pools)
-            rows = step.sample_rows.to(self.device)
-            out = sample(logits[rows], **step.sampling_args())
-            tokens = out.token_ids.tolist()
+            try:
+                inputs = step.inputs.to(self.device)
+                if self.graphs is not None:
+                    logits = self.graphs.forward(inputs)
+                else:
+                    logits = self.engine.forward(inputs, self.mla_pools, self.index_pools)
+                rows = step.sample_rows.to(self.device)
+                out = sample(logits[rows], **step.sampling_args())
+                tokens = out.token_ids.tolist()
+            except BaseException:
+                self._abort_step(step)
+                raise
             logps = out.logprobs.tolist() if out.logprobs is not None else None
             reqs = step.sampling_requests
             self.scheduler.update(step, tokens)
             return [self._advance(r, tok, logps[i] if logps else None) for i, (r, tok) in enumerate(zip(reqs, tokens))]
+
+    def _abort_step(self, step) -> None:
+        """A failed engine step: abort its requests (their caches may be half written) and close the
+        step, so the scheduler keeps serving the others."""
+        for s in step.seqs:
+            if not s.request.finished:
+                self.cancel(s.request.request_id)
+        self.scheduler.update(step, [0] * len(step.sample_rows))  # every request in it is finished: no-op
 
     def _advance(self, req: Request, token: int, logprob: float | None) -> StepDelta:
         o = self._outputs[req.request_id]

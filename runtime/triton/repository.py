@@ -1,0 +1,164 @@
+"""Triton model repository for an engine directory (DESIGN §5 Triton, research §6).
+
+    repo/<name>/config.pbtxt       python backend, decoupled: TRT-LLM request schema (schema.py)
+    repo/<name>/1/model.py         this package's model.py: AsyncLLM over the engine directory
+    repo/<name>_step/...           engines of TensorRT plans only: one `tensorrt_plan` model per
+    repo/<name>_step_dense/...     program (one forward step), needing the plugin library
+
+A `tensorrt_plan` model is one engine step over caller-held caches; generation (scheduling, paged
+caches, sampling) lives in the python model, as in tensorrtllm_backend. The plugin library is
+loaded by the TensorRT backend from the server command line (`server_args`).
+"""
+
+from __future__ import annotations
+
+import shutil
+import site
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dsa_trt.config import INDEX_K_ROW_BYTES, MLA_LATENT_DIM, PAGE_SIZE
+from dsa_trt.engine_config import EngineConfig, EngineDirError
+
+from .schema import INPUTS, OUTPUTS, Field
+
+MODEL_PY = Path(__file__).resolve().parent / "model.py"
+BYTES_PER_INT32 = 4  # fp8 byte pools travel as INT32 carriers (plugins/tensorrt/PLUGINS.md)
+
+
+@dataclass
+class ModelRepository:
+    path: Path
+    models: list[str]
+    server_args: list[str] = field(default_factory=list)  # e.g. --backend-config=tensorrt,plugins=...
+
+
+def _pbtxt_str(s: str) -> str:
+    return '"' + s.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def _tensor_block(kind: str, fields: tuple[Field, ...] | list[Field]) -> str:
+    rows = []
+    for f in fields:
+        opt = " optional: true" if f.optional and kind == "input" else ""
+        dims = ", ".join(str(d) for d in f.dims)
+        rows.append(f"  {{ name: {_pbtxt_str(f.name)} data_type: {f.data_type} dims: [ {dims} ]{opt} }}")
+    return f"{kind} [\n" + ",\n".join(rows) + "\n]\n"
+
+
+def _parameters(params: dict[str, str]) -> str:
+    return "".join(f"parameters {{ key: {_pbtxt_str(k)} value {{ string_value: {_pbtxt_str(v)} }} }}\n"
+                   for k, v in params.items())
+
+
+def python_model_config(name: str, engine_dir: Path, num_pages: int | None = None,
+                        site_packages: list[str] | None = None) -> str:
+    """config.pbtxt of the decoupled python model. max_batch_size 1: every request carries a batch
+    dimension of 1 (Triton's OpenAI frontend sends [[prompt]]) and Triton refuses larger ones."""
+    params = {
+        "engine_dir": str(engine_dir),
+        # the stub runs the system libpython: model.py adds these (with their .pth files) to sys.path
+        "site_packages": ":".join(site_packages if site_packages is not None else _site_packages()),
+    }
+    if num_pages is not None:
+        params["num_pages"] = str(num_pages)
+    return (
+        f"name: {_pbtxt_str(name)}\n"
+        'backend: "python"\n'
+        "max_batch_size: 1\n"
+        "model_transaction_policy { decoupled: true }\n"
+        + _tensor_block("input", INPUTS)
+        + _tensor_block("output", OUTPUTS)
+        # one instance: it owns the engine and the caches and batches requests itself (AsyncLLM)
+        + "instance_group [ { kind: KIND_CPU count: 1 } ]\n"
+        + _parameters(params)
+    )
+
+
+def step_model_io(cfg: EngineConfig) -> tuple[list[Field], list[Field]]:
+    """Inputs and outputs of one engine step as a TensorRT plan, named as builder/onnx_export.py names
+    them: StepInputs.as_tuple() order, then mla_pools_<l>, index_pools_<l>; outputs ``logits`` and
+    ``<pool>_out`` (aliased to the pool input). fp8 pools use the INT32 carrier (PLUGINS.md)."""
+    m = cfg.model
+    ins = [
+        Field("input_ids", "TYPE_INT64", (-1,), optional=False),
+        Field("positions", "TYPE_INT64", (-1,), optional=False),
+        Field("req_idx", "TYPE_INT32", (-1,), optional=False),
+        Field("page_table", "TYPE_INT32", (-1, -1), optional=False),
+        Field("slot_mapping", "TYPE_INT64", (-1,), optional=False),
+        Field("logits_indices", "TYPE_INT64", (-1,), optional=False),
+    ]
+    if cfg.cache_mode == "fp8":
+        dtype = "TYPE_INT32"
+        mla = (-1, PAGE_SIZE, MLA_LATENT_DIM // BYTES_PER_INT32)
+        idx = (-1, PAGE_SIZE * INDEX_K_ROW_BYTES // BYTES_PER_INT32)
+    elif cfg.cache_mode == "bf16":
+        dtype = "TYPE_BF16"
+        mla, idx = (-1, PAGE_SIZE, MLA_LATENT_DIM), (-1, PAGE_SIZE, m.index_head_dim)
+    else:
+        raise EngineDirError(f"cache_mode {cfg.cache_mode!r}: the TensorRT plugins take fp8 or bf16 caches")
+    pools = []
+    for layer in range(m.num_hidden_layers):
+        pools += [Field(f"mla_pools_{layer}", dtype, mla, optional=False),
+                  Field(f"index_pools_{layer}", dtype, idx, optional=False)]
+    outs = [Field("logits", "TYPE_FP32", (-1, m.vocab_size))]
+    outs += [Field(f"{p.name}_out", p.data_type, p.dims) for p in pools]
+    return ins + pools, outs
+
+
+def tensorrt_step_config(name: str, cfg: EngineConfig, rank: int = 0) -> str:
+    ins, outs = step_model_io(cfg)
+    return (
+        f"name: {_pbtxt_str(name)}\n"
+        'platform: "tensorrt_plan"\n'
+        "max_batch_size: 0\n"  # shapes are the step's own (packed tokens, pages): no batch dimension
+        + _tensor_block("input", ins)
+        + _tensor_block("output", outs)
+        + f"instance_group [ {{ kind: KIND_GPU count: 1 gpus: [ {rank} ] }} ]\n"
+    )
+
+
+def plugin_backend_args(engine_dir: Path, cfg: EngineConfig) -> list[str]:
+    lib = (engine_dir / cfg.plugin_library) if cfg.plugin_library else None
+    if lib is None or not lib.is_file():
+        raise EngineDirError(f"{engine_dir}: TensorRT engine without its plugin library "
+                             f"(engine_config.json plugin_library={cfg.plugin_library!r}); rebuild the engine")
+    return [f"--backend-config=tensorrt,plugins={lib.resolve()}"]
+
+
+def write_model_repository(engine_dir: str | Path, repo_dir: str | Path, model_name: str = "dsa_trt",
+                           num_pages: int | None = None, site_packages: list[str] | None = None) -> ModelRepository:
+    """Write (or overwrite) the models of ``engine_dir`` into ``repo_dir``; returns what was written
+    and the tritonserver arguments it needs."""
+    engine_dir = Path(engine_dir).resolve()
+    repo = Path(repo_dir)
+    cfg = EngineConfig.load(engine_dir)
+    if cfg.tp_size != 1:
+        raise EngineDirError(f"{engine_dir}: tp_size {cfg.tp_size}; the Triton model serves tp=1 engines only")
+    repo.mkdir(parents=True, exist_ok=True)
+    _write_model(repo / model_name, python_model_config(model_name, engine_dir, num_pages, site_packages))
+    shutil.copy(MODEL_PY, repo / model_name / "1" / "model.py")
+    written = ModelRepository(repo, [model_name])
+    if cfg.compiler == "tensorrt":
+        written.server_args = plugin_backend_args(engine_dir, cfg)
+        for dense, suffix in ((False, "_step"), (True, "_step_dense")):
+            name = model_name + suffix
+            d = _write_model(repo / name, tensorrt_step_config(name, cfg))
+            plan = (engine_dir / cfg.rank_file(0, dense=dense)).resolve()
+            (d / "1" / "model.plan").unlink(missing_ok=True)
+            (d / "1" / "model.plan").symlink_to(plan)
+            written.models.append(name)
+    return written
+
+
+def _write_model(model_dir: Path, config: str) -> Path:
+    (model_dir / "1").mkdir(parents=True, exist_ok=True)
+    (model_dir / "config.pbtxt").write_text(config)
+    return model_dir
+
+
+def _site_packages() -> list[str]:
+    """This interpreter's site-packages (the venv's when run from it), dsa_trt's included."""
+    paths = [p for p in site.getsitepackages() if Path(p).is_dir()]
+    return paths or [p for p in sys.path if p.endswith("site-packages")]

@@ -1,0 +1,178 @@
+"""Start the `tritonserver` bundled in the PyTriton wheel on a model repository (research §6d).
+
+The wheel ships the server (2.51), the python backend and one backend stub per Python version, but
+not the stub in the backend folder: like PyTriton, we assemble a backend directory next to the
+repository with the stub of this interpreter's version. The stub embeds the *system*
+``libpython3.X.so`` (Debian/Ubuntu package ``libpython3.X``), not the venv's interpreter; model.py
+adds this venv's site-packages itself (the repository's config names them).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+READY_TIMEOUT_S = 180.0  # model load = import torch + load the engine in the stub process
+STOP_TIMEOUT_S = 30.0
+
+
+class ServerError(RuntimeError):
+    pass
+
+
+def pytriton_dir() -> Path:
+    try:
+        import pytriton
+    except ImportError as e:
+        raise ServerError("the `serve` extra is not installed: pip install -e '.[serve]' (nvidia-pytriton)") from e
+    return Path(pytriton.__file__).resolve().parent
+
+
+def server_binary() -> Path:
+    return pytriton_dir() / "tritonserver" / "bin" / "tritonserver"
+
+
+def server_libs() -> Path:
+    """The wheel's vendored shared libraries (libtritonserver, libcudart, ...)."""
+    return pytriton_dir().parent / "nvidia_pytriton.libs"
+
+
+def prepare_backends(dst: Path) -> Path:
+    """dst/backends/python/{libtriton_python.so, triton_python_backend_utils.py, stub}; returns dst/backends."""
+    dist = pytriton_dir() / "tritonserver"
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    stub = dist / "python_backend_stubs" / version / "triton_python_backend_stub"
+    if not stub.is_file():
+        raise ServerError(f"{stub}: PyTriton ships no python backend stub for Python {version}")
+    backends = dst / "backends"
+    if backends.exists():
+        shutil.rmtree(backends)
+    shutil.copytree(dist / "backends", backends, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(stub, backends / "python" / stub.name)
+    (backends / "python" / stub.name).chmod(0o755)
+    libpython = f"libpython{version}.so.1.0"
+    probe = subprocess.run(["ldd", str(stub)], capture_output=True, text=True)
+    if f"{libpython} => not found" in probe.stdout:
+        raise ServerError(
+            f"the python backend stub needs the system {libpython}, which is not installed: "
+            f"apt-get install -y libpython{version} (the stub embeds the system interpreter, not the venv's)"
+        )
+    return backends
+
+
+@dataclass
+class TritonServer:
+    """A running tritonserver process bound to ``address``; ``stop()`` (or the context) ends it."""
+
+    repo: Path
+    http_port: int
+    grpc_port: int
+    metrics_port: int
+    address: str = "127.0.0.1"
+    log_path: Path | None = None  # None: <work_dir>/tritonserver.log
+    inherit_output: bool = False  # True: the server logs to this process's stdout/stderr (the CLI)
+    extra_args: list[str] = field(default_factory=list)
+    process: subprocess.Popen | None = None
+
+    @property
+    def http_url(self) -> str:
+        return f"{self.address}:{self.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"{self.address}:{self.grpc_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{self.address}:{self.metrics_port}/metrics"
+
+    def command(self, backends: Path) -> list[str]:
+        return [
+            str(server_binary()),
+            f"--model-repository={self.repo}",
+            f"--backend-directory={backends}",
+            f"--cache-directory={pytriton_dir() / 'tritonserver' / 'caches'}",
+            f"--http-address={self.address}", f"--http-port={self.http_port}",
+            f"--grpc-address={self.address}", f"--grpc-port={self.grpc_port}",
+            f"--metrics-address={self.address}", f"--metrics-port={self.metrics_port}",
+            "--allow-metrics=true", "--allow-gpu-metrics=false",
+            "--exit-on-error=true", "--strict-readiness=true",
+            *self.extra_args,
+        ]
+
+    def start(self, work_dir: Path) -> "TritonServer":
+        backends = prepare_backends(Path(work_dir))
+        env = dict(os.environ)
+        env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (str(server_libs()), env.get("LD_LIBRARY_PATH")) if p)
+        # own process group: stop() signals the server and its python-backend stubs together
+        if self.inherit_output:
+            self.process = subprocess.Popen(self.command(backends), env=env, start_new_session=True)
+            return self
+        self.log_path = self.log_path or Path(work_dir) / "tritonserver.log"
+        with open(self.log_path, "wb") as log:
+            self.process = subprocess.Popen(self.command(backends), stdout=log, stderr=subprocess.STDOUT, env=env,
+                                            start_new_session=True)
+        return self
+
+    def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout
+        url = f"http://{self.http_url}/v2/health/ready"
+        while time.monotonic() < deadline:
+            if self.process is None or self.process.poll() is not None:
+                raise ServerError(f"tritonserver exited ({self.returncode()}) before it was ready:\n{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(url, timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.5)
+        raise ServerError(f"tritonserver not ready after {timeout:.0f} s:\n{self.log_tail()}")
+
+    def returncode(self) -> int | None:
+        return None if self.process is None else self.process.poll()
+
+    def log_tail(self, lines: int = 40) -> str:
+        if self.log_path is None or not self.log_path.is_file():
+            return "(no log)"
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def stop(self, timeout: float = STOP_TIMEOUT_S) -> None:
+        p = self.process
+        if p is None or p.poll() is not None:
+            return
+        os.killpg(p.pid, signal.SIGTERM)  # tritonserver drains, unloads models, exits
+        try:
+            p.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait(10)
+
+    def __enter__(self) -> "TritonServer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def free_ports(n: int, address: str = "127.0.0.1") -> list[int]:
+    """n distinct ports free right now on ``address`` (bound together so none repeats)."""
+    import socket
+
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind((address, 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
