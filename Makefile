@@ -23,6 +23,8 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e ".[test,build,serve]"
+	# the bundled tritonserver's python-backend stub links the system libpython3.11
+	ldd $$($(PY) -c "import pytriton,os;print(os.path.dirname(pytriton.__file__))")/tritonserver/python_backend_stubs/3.11/triton_python_backend_stub | grep -q "not found" && apt-get install -y libpython3.11 || true
 	touch $@
 
 setup: $(VENV)/.installed
