@@ -56,7 +56,8 @@ def calibration_sequences(tok: Tokenizer, text: str) -> list[list[int]]:
 
 def calibrate(ckpt: Checkpoint, calib_text: str, device: str, calib_source: str = "") -> KVCalibration:
     """ModelOpt fp8 PTQ of the per-layer MLA-cache scale on the full (TP=1) network, fp32 caches."""
-    net = build_network(ckpt, cache_mode="fp32", dtype=torch.float32, device=device, progress=_bar("load (calibration)"))
+    net = build_network(ckpt, cache_mode="fp32", dtype=torch.float32, device=device,
+                        progress=_bar("load (calibration)", unit="tensor"))
     tok = Tokenizer(ckpt.tokenizer_path, ckpt.config.bos_token_id, ckpt.config.eos_token_id)
     seqs = calibration_sequences(tok, calib_text)
     return calibrate_kv_cache(net, seqs, progress=_bar("calibrate (ModelOpt)"), calib_source=calib_source)
