@@ -78,7 +78,8 @@ def check_onnx_options(compiler: str, emit_onnx: bool, cache_mode: str, device: 
         return
     what = "--compiler tensorrt" if compiler == "tensorrt" else "--emit-onnx"
     if cache_mode not in ("fp8", "bf16"):
-        raise BuildError(f"{what}: the TensorRT plugins hold fp8 or bf16 caches, not {cache_mode}; use --cache fp8|bf16")
+        raise BuildError(f"{what}: the TensorRT plugins hold fp8 or bf16 caches, not {cache_mode}; "
+                         "use --cache fp8|bf16")
     if compiler == "tensorrt":
         if device != "cuda" or dtype != "bfloat16":
             raise BuildError(f"--compiler tensorrt builds bfloat16 plans for CUDA, not {dtype} on {device}")

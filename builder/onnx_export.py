@@ -1,28 +1,29 @@
 """ExportedProgram -> ONNX in which every ``torch.ops.dsa.*`` call is one TensorRT plugin node.
 
 The contract with the plugin library is plugins/tensorrt/PLUGINS.md; the node inventory and the
-attribute table are in docs/onnx_plugin_nodes.md. How the graph is made:
+attribute table are docs/onnx_plugin_nodes.md. How the graph is made:
 
-1. ``functionalize``: ``run_decompositions({})`` turns the in-place cache writes into
-   ``auto_functionalized_v2`` nodes (no other decomposition); each is replaced by a functional
-   stand-in op (``dsa_onnx::*``, below) that returns the updated pool. Every later reader already
-   consumes that updated value, which is the data edge that orders write before read.
+1. ``functionalize`` rewrites the program (training IR, where the cache writes mutate their pool
+   in place) so that each write is a functional stand-in (``dsa_onnx::*``, below) returning the
+   updated pool; later readers take that value (the data edge that orders write before read) and
+   each pool's last value becomes an extra program output.
 2. ``torch.onnx.export(dynamo=True)`` with a custom translation table: each DSA op becomes ONE node
-   ``domain="dsa", op_type=<plugin name>`` with the plugin fields + ``plugin_namespace="dsa"``,
-   ``plugin_version="1"`` as attributes (onnx-tensorrt's FallbackPluginImporter).
-3. Post-processing on the ONNX IR: the updated pools become graph outputs ``<pool input>_out``
-   (TensorRT aliases them to the pool inputs through the plugin's getAliasedInput; the runtime
-   binds both to the same buffer); the logits output is named ``logits``; dynamic dims get the
-   names of export/program.py (tokens, batch, pages_per_seq, pool_pages, logit_rows); fp8-mode
-   byte pools are declared in the INT32 carrier (PLUGINS.md "Byte pools"); the indexer's fp8
-   ``q`` is made explicit as ``QuantizeLinear(x, scale=1, zero_point=FLOAT8E4M3FN)`` (the network
-   already divides by its per-(token, head) power-of-two scale) — TensorRT 11 networks are strongly
-   typed, so that Q node *is* the FP8 tensor the DsaIndexerLogits plugin declares as its input 0.
+   ``domain="dsa", op_type=<plugin name>``, attributes = the plugin fields + ``plugin_namespace="dsa"``,
+   ``plugin_version="1"`` (onnx-tensorrt's FallbackPluginImporter turns them into PluginFields).
+   Two aten ops get our own translation: 3-D SDPA (dense prefill) and einsum (ONNX Einsum has no bf16).
+3. Post-processing on the ONNX IR: outputs named ``logits`` and ``<pool input>_out`` (TensorRT aliases
+   the latter to the pool inputs through the plugins' getAliasedInput; the runtime binds both to one
+   buffer); dynamic dims named as in export/program.py (tokens, batch, pages_per_seq, pool_pages,
+   logit_rows); fp8-mode byte pools declared in the INT32 carrier (PLUGINS.md "Byte pools"); the
+   indexer's fp8 query made explicit as ``QuantizeLinear(x, scale=1, zero_point=FLOAT8E4M3FN)`` (the
+   network already divided by its per-(token, head) power-of-two scale): TensorRT 11 networks are
+   strongly typed, and that Q node *is* the FP8 tensor the DsaIndexerLogits plugin takes as input 0.
 """
 
 from __future__ import annotations
 
 import copy
+import logging
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,10 +36,9 @@ from onnx import defs
 from onnxscript import opset18 as op  # the opset torchlib traces in; export converts to OPSET
 from onnxscript import values as osv
 from torch.export import ExportedProgram
-from torch.export.graph_signature import InputKind, OutputKind, OutputSpec, TensorArgument
+from torch.export.graph_signature import OutputKind, OutputSpec, TensorArgument
 from torch.utils import _pytree as pytree
 
-from dsa_trt.config import MLA_LATENT_DIM
 import dsa_trt.plugins.collectives  # noqa: F401  (registers torch.ops.dsa.all_reduce)
 from dsa_trt.plugins.ops import PLUGIN_NAMES
 
@@ -98,6 +98,16 @@ FUNCTIONAL = {
 }
 
 
+def _written(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """The argument nodes an op mutates (per its schema's alias annotations)."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return []
+    args = dict(zip((a.name for a in schema.arguments), node.args)) | dict(node.kwargs)
+    return [args[a.name] for a in schema.arguments
+            if a.alias_info is not None and a.alias_info.is_write and isinstance(args.get(a.name), torch.fx.Node)]
+
+
 def functionalize(ep: ExportedProgram) -> tuple[ExportedProgram, list[str]]:
     """A copy of the program in which every in-place cache write is its functional stand-in.
 
@@ -117,28 +127,24 @@ def functionalize(ep: ExportedProgram) -> tuple[ExportedProgram, list[str]]:
         for old, new in latest.items():
             if old in node.all_input_nodes:
                 node.replace_input_with(old, new)
-        schema = getattr(node.target, "_schema", None)
-        mutated = [a.name for a in (schema.arguments if schema else []) if a.alias_info is not None and a.alias_info.is_write]
-        if not mutated:
+        if node.target not in FUNCTIONAL:
+            if any(n.op == "placeholder" for n in _written(node)):
+                raise OnnxExportError(f"{node.format_node()} writes a program input; only the DSA cache writes may")
             continue
-        if node.target not in FUNCTIONAL or mutated != ["pool"]:
-            raise OnnxExportError(f"{node.format_node()}: in-place op with no functional ONNX form")
         args = torch.fx.operator_schemas.normalize_function(
             node.target, node.args, node.kwargs, normalize_to_only_use_kwargs=True).kwargs
-        pool = args["pool"]
-        root = next((k for k, v in latest.items() if v is pool), pool)
+        root = next((k for k, v in latest.items() if v is args["pool"]), args["pool"])
         if root.op != "placeholder":
-            raise OnnxExportError(f"{node.format_node()}: the pool must be a graph input, not {root.format_node()}")
+            raise OnnxExportError(f"{node.format_node()}: the pool must be a program input, not {root.format_node()}")
         with graph.inserting_after(node):
             new = graph.call_function(FUNCTIONAL[node.target], kwargs=args)
         new.meta = dict(node.meta, val=root.meta["val"])
         latest[root] = new
         graph.erase_node(node)
     sig = copy.deepcopy(ep.graph_signature)
-    if any(s.kind != OutputKind.USER_OUTPUT for s in sig.output_specs) or len(sig.output_specs) != 1:
+    if [s.kind for s in sig.output_specs] != [OutputKind.USER_OUTPUT]:
         raise OnnxExportError(f"expected one output (the logits), got {sig.output_specs}")
-    inputs = {s.arg.name: s.arg.name for s in sig.input_specs if s.kind == InputKind.USER_INPUT}
-    order = [n for n in graph.nodes if n.op == "placeholder" and n.name in inputs and n in latest]
+    order = [n for n in graph.nodes if n.op == "placeholder" and n in latest]  # pool-input order
     output = graph.output_node()
     output.args = ((*output.args[0], *(latest[p] for p in order)),)
     sig.output_specs.extend(OutputSpec(OutputKind.USER_OUTPUT, TensorArgument(latest[p].name), None) for p in order)
@@ -349,8 +355,14 @@ def export_onnx(ep: ExportedProgram, path: str | Path, pool_carrier: str = "int3
     if pool_carrier not in POOL_CARRIERS:
         raise OnnxExportError(f"pool_carrier {pool_carrier!r} not in {POOL_CARRIERS}")
     ep, pools = functionalize(ep)
-    program = torch.onnx.export(ep, dynamo=True, custom_translation_table=TRANSLATIONS, opset_version=OPSET,
-                                optimize=False, verbose=False)
+    quiet = logging.getLogger("torch.onnx._internal.exporter._registration")  # "torchvision is not installed"
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        program = torch.onnx.export(ep, dynamo=True, custom_translation_table=TRANSLATIONS, opset_version=OPSET,
+                                    optimize=False, verbose=False)
+    finally:
+        quiet.setLevel(level)
     model = program.model
     _name_outputs(model, pools)
     _name_dims(model)

@@ -8,7 +8,7 @@ Plan settings:
 * strongly typed network (TensorRT 11: always; 10.x: the STRONGLY_TYPED creation flag), so the
   graph's dtypes (bf16 activations, the explicit FP8 Q of the indexer query) are the engine's;
 * ``PreviewFeature.ALIASED_PLUGIN_IO_10_03``: the cache-write plugins' outputs alias their pool
-  inputs (PLUGINS.md "Aliasing"); without it TensorRT refuses in-place plugin outputs;
+  inputs (PLUGINS.md "Aliasing"); TensorRT honours getAliasedInput only with it;
 * one optimisation profile over the named dynamic dims of the graph (``Profile``).
 """
 
@@ -39,7 +39,7 @@ class Profile:
     """min / opt / max of every named dynamic dim (export/program.py's Dim names).
 
     opt is what TensorRT tunes its kernels for: a mid-size mixed step. ``pool_pages`` max defaults
-    to the largest pool whose tensors stay under TensorRT's 2^31-element limit (``for_model``).
+    to the largest pool whose tensors stay under TensorRT's 2^31-element limit (``max_pool_pages``).
     """
 
     tokens: tuple[int, int, int] = (1, 256, 8192)
