@@ -12,7 +12,8 @@ import argparse
 
 import torch
 
-from bench_engine import _time
+from timing import time_eager_us
+
 from dsa_trt.config import PAGE_SIZE
 from dsa_trt.plugins import cuda_ops
 
@@ -46,9 +47,9 @@ def main() -> None:
         ops = torch.ops.dsa
         logits = ops.indexer_logits(q_i, w, idx_pool, table, req, lens)
         slots = ops.topk_translate(logits, lens, table, req, TOPK)
-        t_logits = _time(lambda: ops.indexer_logits(q_i, w, idx_pool, table, req, lens))
-        t_topk = _time(lambda: ops.topk_translate(logits, lens, table, req, TOPK))
-        t_mla = _time(lambda: ops.sparse_mla(q, mla_pool, slots, 0.01, 0.1352))
+        t_logits = time_eager_us(lambda: ops.indexer_logits(q_i, w, idx_pool, table, req, lens))
+        t_topk = time_eager_us(lambda: ops.topk_translate(logits, lens, table, req, TOPK))
+        t_mla = time_eager_us(lambda: ops.sparse_mla(q, mla_pool, slots, 0.01, 0.1352))
 
         def chain():
             lg = ops.indexer_logits(q_i, w, idx_pool, table, req, lens)
@@ -59,7 +60,7 @@ def main() -> None:
         chain()
         with torch.cuda.graph(g):
             chain()
-        total = _time(g.replay, iters=30)
+        total = time_eager_us(g.replay, iters=30)
         print(f"| {b} | {a.context} | {t_logits:.1f} | {t_topk:.1f} | {t_mla:.1f} | {total:.1f} | "
               f"{DENSE_FLASHMLA_US.get(b, float('nan'))} | {PEERS_PIECES_US.get(b, float('nan'))} | "
               f"{TARGET_US.get(b, float('nan'))} |", flush=True)

@@ -12,27 +12,14 @@ from __future__ import annotations
 import argparse
 import random
 
-import torch
+
+from timing import time_eager_us
 
 from dsa_trt.plugins import cuda_ops
 from dsa_trt.plugins.pools import allocate_pools
 from dsa_trt.runtime.cuda_graphs import CudaGraphRunner
 from dsa_trt.runtime.engine import Engine
 from dsa_trt.runtime.step_inputs import StepInputs
-
-
-def _time(fn, iters=50, warmup=10) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return sorted(times)[len(times) // 2]
 
 
 def main() -> None:
@@ -51,15 +38,15 @@ def main() -> None:
         p.random_(0, 120)  # finite e4m3 bytes / values: never time on zeros
     runner = CudaGraphRunner(engine, *pools)
     rng = random.Random(0)
-    print(f"| batch | context | eager µs/step | CUDA graph µs/step | speed-up |")
-    print(f"|---|---|---|---|---|")
+    print("| batch | context | eager µs/step | CUDA graph µs/step | speed-up |")
+    print("|---|---|---|---|---|")
     for b in a.batches:
         page_ids = rng.sample(range(num_pages), b * pages_per_seq)
         seqs = [([rng.randrange(2, cfg.model.vocab_size)], a.context, page_ids[i * pages_per_seq:(i + 1) * pages_per_seq])
                 for i in range(b)]
         step = StepInputs.build(seqs, cfg.model.index_topk, device="cuda")
-        eager = _time(lambda: engine.forward(step, *pools))
-        graph = _time(lambda: runner.forward(step))
+        eager = time_eager_us(lambda: engine.forward(step, *pools))
+        graph = time_eager_us(lambda: runner.forward(step))
         print(f"| {b} | {a.context} | {eager:.0f} | {graph:.0f} | {eager / graph:.2f}x |", flush=True)
 
 

@@ -19,9 +19,10 @@ Usage: python benchmarks/bench_indexer_topk.py [--iters 20] [--md out.md]
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
+
+from timing import time_us
 
 from dsa_trt.plugins import cuda_ops as K
 
@@ -29,37 +30,6 @@ COPY_TBPS = 4.3
 FP8_TFLOPS = 1377.0
 H, D = 64, 128
 TOPK = 2048
-
-
-def flush_l2(buf: torch.Tensor) -> None:
-    buf.bitwise_not_()
-
-
-def time_us(fn, flush_buf, iters: int) -> float:
-    """Median µs of one call, replayed from a CUDA graph (no Python or launch overhead in the
-    timed region; the GPU is still busy with the flush when the replay is queued)."""
-    fn()  # first call: one-time kernel attributes
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    for _ in range(3):
-        graph.replay()
-    times = []
-    for _ in range(iters):
-        flush_l2(flush_buf)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
 
 
 # ---------------------------------------------------------------- counting (one per peer)

@@ -25,9 +25,10 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import statistics
 
 import torch
+
+from timing import time_us
 
 from dsa_trt.plugins import cuda_ops as K
 
@@ -36,37 +37,6 @@ FP8_TFLOPS = 1377.0
 D_QK, D_V, PAGE = 576, 512, 64
 ROW_BYTES = 576
 SM_SCALE = 0.1352
-
-
-def flush_l2(buf: torch.Tensor) -> None:
-    buf.bitwise_not_()
-
-
-def time_us(fn, flush_buf, iters: int) -> float:
-    """Median µs of one call, replayed from a CUDA graph (the GPU is still busy with the flush
-    when the replay is queued, so launch overhead is not in the timed region)."""
-    fn()  # first call: one-time kernel attributes
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    for _ in range(3):
-        graph.replay()
-    times = []
-    for _ in range(iters):
-        flush_l2(flush_buf)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
 
 
 # ---------------------------------------------------------------- counting (FlashMLA's, 576-B rows)
