@@ -147,3 +147,35 @@ def test_corrupt_package_and_config(exact_engine, tmp_path):
         Engine.load(d)
     with pytest.raises(EngineDirError, match="not a directory"):
         Engine.load(tmp_path / "nowhere")
+
+
+# ---------------------------------------------------------------- runtime over the real engine
+SHARED_PREFIX = ("In the archive of the old observatory there is a ledger in which every night of clear sky "
+                 "was written down by hand, with the hour, the wind and the names of the stars observed, ")
+
+
+def test_prefix_cache_hits_give_the_same_outputs(exact_engine):
+    """Both caches (MLA + indexer) of a shared prefix are reused across requests; the outputs with
+    hits equal the outputs of a fresh runtime without any hit."""
+    prompts = [SHARED_PREFIX + "and the first keeper", SHARED_PREFIX + "while the second keeper"]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    warm = LLM(exact_engine)
+    first = warm.generate([prompts[0]], params)[0]
+    second = warm.generate([prompts[1]], params)[0]
+    assert len(first.prompt_token_ids) > 64, "the shared prefix must fill at least one page"
+    assert second.num_cached_tokens >= 64, f"no prefix-cache hit ({second.num_cached_tokens} cached tokens)"
+    cold = LLM(exact_engine).generate([prompts[1]], params)[0]
+    assert cold.num_cached_tokens == 0
+    assert second.token_ids == cold.token_ids
+
+
+def test_preemption_under_page_pressure_gives_the_same_outputs(exact_engine):
+    """A pool too small for the batch forces preemption (free, recompute later); nothing is lost and
+    every output equals the run without pressure."""
+    prompts = [SHARED_PREFIX + f"and keeper number {i} wrote" for i in range(4)]
+    params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    roomy = LLM(exact_engine, num_pages=64).generate(prompts, params)
+    tight_llm = LLM(exact_engine, num_pages=3)  # one request needs 2 pages at its end
+    tight = tight_llm.generate(prompts, params)
+    assert tight_llm.scheduler.num_preemptions > 0, "the tight pool did not preempt: make it smaller"
+    assert [o.token_ids for o in tight] == [o.token_ids for o in roomy]
