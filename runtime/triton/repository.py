@@ -59,7 +59,7 @@ def python_model_config(name: str, engine_dir: Path, num_pages: int | None = Non
     params = {
         "engine_dir": str(engine_dir),
         # the stub runs the system libpython: model.py adds these (with their .pth files) to sys.path
-        "site_packages": ":".join(site_packages if site_packages is not None else _site_packages()),
+        "site_packages": ":".join(site_packages if site_packages is not None else interpreter_site_packages()),
     }
     if num_pages is not None:
         params["num_pages"] = str(num_pages)
@@ -158,7 +158,7 @@ def _write_model(model_dir: Path, config: str) -> Path:
     return model_dir
 
 
-def _site_packages() -> list[str]:
+def interpreter_site_packages() -> list[str]:
     """This interpreter's site-packages (the venv's when run from it), dsa_trt's included."""
     paths = [p for p in site.getsitepackages() if Path(p).is_dir()]
     return paths or [p for p in sys.path if p.endswith("site-packages")]

@@ -19,6 +19,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .repository import interpreter_site_packages
+
 READY_TIMEOUT_S = 180.0  # model load = import torch + load the engine in the stub process
 STOP_TIMEOUT_S = 30.0
 
@@ -111,6 +113,9 @@ class TritonServer:
         backends = prepare_backends(Path(work_dir))
         env = dict(os.environ)
         env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (str(server_libs()), env.get("LD_LIBRARY_PATH")) if p)
+        # The stub runs the system libpython, whose own site-packages may lack numpy (which
+        # triton_python_backend_utils imports before model.py can extend sys.path): give it ours.
+        env["PYTHONPATH"] = os.pathsep.join([*interpreter_site_packages(), *filter(None, [env.get("PYTHONPATH")])])
         # own process group: stop() signals the server and its python-backend stubs together
         if self.inherit_output:
             self.process = subprocess.Popen(self.command(backends), env=env, start_new_session=True)
