@@ -19,7 +19,6 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .repository import interpreter_site_packages
 
 READY_TIMEOUT_S = 180.0  # model load = import torch + load the engine in the stub process
 STOP_TIMEOUT_S = 30.0
@@ -113,9 +112,10 @@ class TritonServer:
         backends = prepare_backends(Path(work_dir))
         env = dict(os.environ)
         env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (str(server_libs()), env.get("LD_LIBRARY_PATH")) if p)
-        # The stub runs the system libpython, whose own site-packages may lack numpy (which
-        # triton_python_backend_utils imports before model.py can extend sys.path): give it ours.
-        env["PYTHONPATH"] = os.pathsep.join([*interpreter_site_packages(), *filter(None, [env.get("PYTHONPATH")])])
+        # The stub embeds the system libpython; it finds this venv (and its numpy<2, which
+        # triton_python_backend_utils imports before model.py can extend sys.path) only when the
+        # venv's bin comes first on PATH, as after activation (PYTHONPATH alone did not do it).
+        env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
         # own process group: stop() signals the server and its python-backend stubs together
         if self.inherit_output:
             self.process = subprocess.Popen(self.command(backends), env=env, start_new_session=True)
