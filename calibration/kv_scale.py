@@ -17,7 +17,8 @@ from typing import Callable, Iterable, Iterator
 import torch
 
 from dsa_trt.config import FP8_E4M3_MAX, PAGE_SIZE
-from dsa_trt.export.network import DSAForCausalLM, allocate_pools
+from dsa_trt.export.network import DSAForCausalLM
+from dsa_trt.plugins.pools import allocate_pools
 from dsa_trt.runtime.step_inputs import StepInputs
 
 KV_RECIPE = "fp8-kv-per-layer"

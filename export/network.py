@@ -20,7 +20,6 @@ from torch import nn
 import dsa_trt.plugins.collectives  # noqa: F401  (registers torch.ops.dsa.all_reduce)
 import dsa_trt.plugins.ops  # noqa: F401  (registers torch.ops.dsa.*)
 from dsa_trt.config import ModelConfig
-from dsa_trt.plugins.pools import allocate_pools  # noqa: F401  (re-exported for export/builder)
 from dsa_trt.plugins.reference import quant_fp8_pow2
 
 from .layers import (

@@ -13,11 +13,12 @@ import torch
 from torch.export import Dim, ExportedProgram, export
 
 from dsa_trt.config import ModelConfig
+from dsa_trt.plugins.pools import allocate_pools
 from dsa_trt.runtime.step_inputs import StepInputs
 
 from .checkpoint import Checkpoint
 from .layers import hadamard_matrix
-from .network import DSAForCausalLM, allocate_pools
+from .network import DSAForCausalLM
 from .sharding import shard_tensor
 
 Progress = Callable[[Iterable], Iterable]  # e.g. functools.partial(tqdm, desc="load")
