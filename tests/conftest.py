@@ -32,3 +32,23 @@ def hf_oracle(tiny_ckpt, tmp_path_factory):
     dst = tmp_path_factory.mktemp("hf") / "tiny-v32-bf16"
     write_dequantized_hf_copy(tiny_ckpt, dst)
     return DeepseekV32ForCausalLM.from_pretrained(dst, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def exact_engine(tiny_ckpt, tmp_path_factory) -> Path:
+    """CPU AOTInductor engine with fp32 caches (the HF-oracle mode), built once per session."""
+    from dsa_trt.builder.build import build_engine
+
+    out = tmp_path_factory.mktemp("engines") / "tiny-fp32"
+    build_engine(tiny_ckpt, out, cache_mode="fp32", compiler="aoti", device="cpu", dtype="float32")
+    return out
+
+
+@pytest.fixture(scope="session")
+def fp8_engine(tiny_ckpt, tmp_path_factory) -> Path:
+    """CPU AOTInductor engine with the deployed fp8 caches (576-B MLA + 132-B indexer), built once."""
+    from dsa_trt.builder.build import build_engine
+
+    out = tmp_path_factory.mktemp("engines") / "tiny-fp8"
+    build_engine(tiny_ckpt, out, cache_mode="fp8", compiler="aoti", device="cpu", dtype="float32")
+    return out

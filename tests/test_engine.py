@@ -12,7 +12,6 @@ import shutil
 import pytest
 import torch
 
-from dsa_trt.builder.build import build_engine
 from dsa_trt.engine_config import EngineConfig, EngineDirError
 from dsa_trt.export.checkpoint import Checkpoint
 from dsa_trt.export.program import build_network
@@ -25,20 +24,6 @@ from dsa_trt.runtime.step_inputs import StepInputs
 GREEDY_STEPS = 32
 PROMPTS = ["Hello", "The quick brown fox jumps over the lazy dog because", "Once upon a time, in a small village "
            "by the sea, there lived an old fisherman who every morning walked down to the harbour and"]
-
-
-@pytest.fixture(scope="session")
-def exact_engine(tiny_ckpt, tmp_path_factory):
-    out = tmp_path_factory.mktemp("engines") / "tiny-fp32"
-    build_engine(tiny_ckpt, out, cache_mode="fp32", compiler="aoti", device="cpu", dtype="float32")
-    return out
-
-
-@pytest.fixture(scope="session")
-def fp8_engine(tiny_ckpt, tmp_path_factory):
-    out = tmp_path_factory.mktemp("engines") / "tiny-fp8"
-    build_engine(tiny_ckpt, out, cache_mode="fp8", compiler="aoti", device="cpu", dtype="float32")
-    return out
 
 
 def _steps(cfg):

@@ -23,7 +23,6 @@ import numpy as np
 import pytest
 import requests
 
-from dsa_trt.builder.build import build_engine
 from dsa_trt.engine_config import EngineConfig, EngineDirError
 from dsa_trt.export.checkpoint import Checkpoint
 from dsa_trt.runtime.llm import LLM
@@ -64,10 +63,8 @@ def sampling(r: dict) -> SamplingParams:
 
 # ------------------------------------------------------------------------------------------ fixtures
 @pytest.fixture(scope="module")
-def engine_dir(tiny_ckpt, tmp_path_factory):
-    out = tmp_path_factory.mktemp("triton-engine") / "tiny-fp8"
-    build_engine(tiny_ckpt, out, cache_mode="fp8", compiler="aoti", device="cpu", dtype="float32")
-    return out
+def engine_dir(fp8_engine):
+    return fp8_engine  # the session's CPU fp8 engine (tests/conftest.py); the server only reads it
 
 
 @pytest.fixture(scope="module")
