@@ -8,6 +8,15 @@ from pathlib import Path
 import pytest
 import torch
 
+@pytest.fixture
+def one_thread():
+    """Tiny tensors: intra-op threads only add barrier waits (seconds on a busy 2-core CPU)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (runs on the H200)")
 
 

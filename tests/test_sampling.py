@@ -9,13 +9,7 @@ import torch
 from dsa_trt.runtime.sampling import SamplingParams, apply_penalties, make_generator, sample, top_k_top_p_mask
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Small tensors: intra-op threads only add barrier waits on a busy 2-core CPU."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 # ---------------------------------------------------------------- independent numpy references

@@ -26,13 +26,7 @@ VOCAB = 40
 INDEX_TOPK = 2048
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """The tensors here are tiny: intra-op threads only add barrier waits (seconds on a busy CPU)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 class FakeEngine:
