@@ -30,6 +30,8 @@ from dsa_trt.export.program import build_network, export_program
 from dsa_trt.export.sharding import check_tp
 from dsa_trt.runtime.tokenizer import Tokenizer
 
+from .aoti import PackageLinkError, compile_package
+
 DEFAULT_CALIB_TEXT = Path(__file__).resolve().parent.parent / "export" / "data" / "corpus.txt"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
@@ -101,7 +103,10 @@ def compile_program(ep, onnx_ep, out: Path, name: str, compiler: str, emit_onnx:
         except (OnnxExportError, TensorRTBuildError) as e:
             raise BuildError(f"{name}: {e}") from e
     if compiler == "aoti":
-        torch._inductor.aoti_compile_and_package(ep, package_path=str(out / name))
+        try:
+            compile_package(ep, out / name)
+        except PackageLinkError as e:
+            raise BuildError(str(e)) from e
 
 
 def build_engine(checkpoint: str | Path, out: str | Path, tp: int = 1, cache_mode: str = "fp8",

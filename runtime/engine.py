@@ -8,7 +8,9 @@ reference path, built by the builder) implements it too.
 
 from __future__ import annotations
 
+import struct
 import warnings
+import zipfile
 from pathlib import Path
 from typing import Callable
 
@@ -67,10 +69,16 @@ class Engine:
 def _load_aoti(path: Path, device: torch.device) -> Program:
     if not path.is_file():
         raise EngineDirError(f"{path}: missing; rebuild the engine directory with `make engine`")
+    from dsa_trt.builder.aoti import PackageLinkError, check_package
+
+    try:
+        check_package(path)  # a wrapper with a static C++ runtime would segfault in the loader
+    except PackageLinkError as e:
+        raise EngineDirError(str(e)) from e
+    except (zipfile.BadZipFile, ValueError, struct.error, IndexError):
+        pass  # not a package this check can read: the loader's error below names the problem
     device_index = -1
     if device.type == "cuda":
-        # The CUDA context must exist before the package's runner is created (torch 2.11 segfaults
-        # in the loader of a fresh process otherwise).
         device_index = device.index if device.index is not None else torch.cuda.current_device()
         torch.cuda.set_device(device_index)
         torch.empty(1, device=f"cuda:{device_index}")

@@ -35,6 +35,7 @@ from onnx import TensorProto
 from onnx import helper as oh
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import dsa_trt.builder.build as build_module
 from dsa_trt.builder.build import BuildError, build_engine, check_onnx_options
 from dsa_trt.builder.onnx_export import export_onnx, functionalize, tensorrt_problems
 from dsa_trt.builder.tensorrt_build import MAX_TENSOR_VOLUME, Profile, TensorRTBuildError, build_plan, profile_shapes
@@ -72,7 +73,7 @@ def emitted(tiny_ckpt, tmp_path_factory):
     AOTInductor compile is stubbed (tests/test_engine.py covers it) to keep this file fast."""
     out = tmp_path_factory.mktemp("emit") / "tiny-fp8"
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(torch._inductor, "aoti_compile_and_package", lambda ep, package_path: Path(package_path).touch())
+        mp.setattr(build_module, "compile_package", lambda ep, package_path: Path(package_path).touch())
         cfg = build_engine(tiny_ckpt, out, cache_mode="fp8", compiler="aoti", device="cpu", dtype="bfloat16",
                            emit_onnx=True)
     files = {dense: out / "onnx" / f"rank0{'.dense' if dense else ''}.onnx" for dense in (False, True)}
