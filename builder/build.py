@@ -112,7 +112,7 @@ def compile_program(ep, onnx_ep, out: Path, name: str, compiler: str, emit_onnx:
 def build_engine(checkpoint: str | Path, out: str | Path, tp: int = 1, cache_mode: str = "fp8",
                  compiler: str = "auto", device: str | None = None, dtype: str | None = None,
                  calib_file: str | Path | None = None, max_num_tokens: int = 8192,
-                 emit_onnx: bool = False) -> EngineConfig:
+                 emit_onnx: bool = False, kv_calibration: str | Path | None = None) -> EngineConfig:
     t0 = time.perf_counter()
     out = Path(out)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -132,12 +132,16 @@ def build_engine(checkpoint: str | Path, out: str | Path, tp: int = 1, cache_mod
     kv_scales = [1.0] * cfg.num_hidden_layers
     out.mkdir(parents=True, exist_ok=True)
     if cache_mode == "fp8":
-        calib_path = Path(calib_file or DEFAULT_CALIB_TEXT)
-        cal = calibrate(ckpt, calib_path.read_text(encoding="utf-8"), device, calib_source=calib_path.name)
+        if kv_calibration is not None:  # calibrated once (any machine with ModelOpt), reused here
+            cal = KVCalibration.load(kv_calibration, cfg.num_hidden_layers)
+            how = f"reused {kv_calibration} (ModelOpt {cal.modelopt_version}, {cal.num_tokens} tokens)"
+        else:
+            calib_path = Path(calib_file or DEFAULT_CALIB_TEXT)
+            cal = calibrate(ckpt, calib_path.read_text(encoding="utf-8"), device, calib_source=calib_path.name)
+            how = f"ModelOpt {cal.modelopt_version} calibrated {cal.num_tokens} tokens"
         kv_scales = cal.kv_scales
         artifact = cal.save(out / "quant")
-        _log(f"ModelOpt {cal.modelopt_version} calibrated {cal.num_tokens} tokens -> {artifact.relative_to(out)}: "
-             f"MLA cache scales {[f'{s:.3g}' for s in kv_scales]}", t0)
+        _log(f"{how} -> {artifact.relative_to(out)}: MLA cache scales {[f'{s:.3g}' for s in kv_scales]}", t0)
 
     torch_dtype = getattr(torch, dtype)
     cfg_out = EngineConfig(
@@ -211,14 +215,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compiler", choices=("auto", "aoti", "tensorrt"), default="auto")
     ap.add_argument("--device", choices=("cuda", "cpu"), default=None)
     ap.add_argument("--dtype", choices=("bfloat16", "float32"), default=None)
-    ap.add_argument("--calib-file", default=None)
+    ap.add_argument("--calib-file", default=None, help="text to calibrate the fp8 caches on (default: export/data/corpus.txt)")
+    ap.add_argument("--kv-calibration", default=None,
+                    help="reuse quant/fp8-kv-per-layer.json of an earlier fp8 build instead of calibrating (no ModelOpt needed)")
     ap.add_argument("--max-num-tokens", type=int, default=8192)
     ap.add_argument("--emit-onnx", action="store_true",
                     help="also write onnx/rank<N>[.dense].onnx: the TensorRT graphs with plugin nodes (any machine)")
     a = ap.parse_args(argv)
     try:
         build_engine(a.checkpoint, a.out, a.tp, a.cache, a.compiler, a.device, a.dtype, a.calib_file, a.max_num_tokens,
-                     emit_onnx=a.emit_onnx)
+                     emit_onnx=a.emit_onnx, kv_calibration=a.kv_calibration)
     except (BuildError, CalibrationError, CheckpointError, ConfigError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -65,6 +65,27 @@ class KVCalibration:
                        for i, (a, s, p) in enumerate(zip(self.amax, self.kv_scales, self.pool_amax))]
         return d
 
+    @classmethod
+    def load(cls, path: str | Path, num_layers: int) -> "KVCalibration":
+        """A saved artifact (``quant/fp8-kv-per-layer.json`` of an earlier build), checked."""
+        path = Path(path)
+        try:
+            d = json.loads(path.read_text())
+            amax = [float(a) for a in d["amax"]]
+            cal = cls(amax=amax, pool_amax=[float(a) for a in d.get("pool_amax", amax)],
+                      num_tokens=int(d["num_tokens"]), num_sequences=int(d["num_sequences"]),
+                      modelopt_version=str(d["modelopt_version"]), quant_cfg=d.get("quant_cfg", []),
+                      calib_source=str(d.get("calib_source", "")))
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise CalibrationError(f"{path}: not a KV calibration artifact ({type(e).__name__}: {e}); pass the "
+                                   f"quant/{KV_RECIPE}.json of an fp8 engine built from this checkpoint") from e
+        if d.get("recipe", KV_RECIPE) != KV_RECIPE:
+            raise CalibrationError(f"{path}: recipe {d.get('recipe')!r}, expected {KV_RECIPE!r}")
+        if len(amax) != num_layers or not all(a == a and 0.0 <= a < float("inf") for a in amax):
+            raise CalibrationError(f"{path}: {len(amax)} per-layer amax values {amax[:4]}...; the checkpoint has "
+                                   f"{num_layers} layers and each amax must be finite and >= 0")
+        return cal
+
     def save(self, quant_dir: str | Path) -> Path:
         path = Path(quant_dir) / f"{self.recipe}.json"
         path.parent.mkdir(parents=True, exist_ok=True)

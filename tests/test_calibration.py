@@ -77,6 +77,29 @@ def test_builder_writes_the_artifact(ckpt, tmp_path):
         assert entry["amax"] == pytest.approx(entry["pool_amax"], rel=1e-6)
 
 
+def test_reused_artifact_round_trips_and_bad_ones_are_named(ckpt, calibration, tmp_path):
+    """--kv-calibration: an artifact saved by one build is read back with the same scales (so a GPU
+    machine without ModelOpt builds the engine the CPU calibration describes); wrong ones are refused."""
+    from dsa_trt.calibration.modelopt_kv import CalibrationError
+
+    n = ckpt.config.num_hidden_layers
+    path = calibration.save(tmp_path / "quant")
+    again = KVCalibration.load(path, n)
+    assert again.kv_scales == calibration.kv_scales and again.num_tokens == calibration.num_tokens
+    assert json.loads(again.save(tmp_path / "copy").read_text()) == json.loads(path.read_text())
+    with pytest.raises(CalibrationError, match=rf"{n + 1} layers"):
+        KVCalibration.load(path, n + 1)
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"amax": [1.0]}')
+    with pytest.raises(CalibrationError, match="not a KV calibration artifact.*KeyError"):
+        KVCalibration.load(bad, 1)
+    d = json.loads(path.read_text())
+    d["amax"][0] = float("nan")
+    bad.write_text(json.dumps(d))
+    with pytest.raises(CalibrationError, match="must be finite"):
+        KVCalibration.load(bad, n)
+
+
 def test_quantizer_slot_is_identity_in_export(ckpt):
     net = build_network(ckpt, "fp32", torch.float32)
     c_kv, k_pe = torch.randn(5, 512), torch.randn(5, 64)
