@@ -454,6 +454,22 @@ def _topk_translate_op(logits, lengths, page_table, req_idx, k):
     return topk_translate(logits, lengths, page_table, req_idx, k)
 
 
+MLA_KERNEL_HEADS = (16, 32, 64, 128)  # head counts the fp8 kernel is instantiated for
+
+
+def _sparse_mla_op(q, pool, slots, kv_scale, sm_scale):
+    """dsa::sparse_mla on CUDA. Other head counts below 128 (the tiny test model has 4) run the kernel
+    on q zero-padded to the next instantiated count; heads are independent, so the real ones are exact."""
+    heads = q.shape[1]
+    padded = next((h for h in MLA_KERNEL_HEADS if h >= heads), heads)
+    if padded == heads or _mla_pool_format(pool) is None:
+        return sparse_mla(q, pool, slots, kv_scale, sm_scale)
+    qp = q.new_zeros((q.shape[0], padded, q.shape[2]))
+    qp[:, :heads] = q
+    out, lse = sparse_mla(qp, pool, slots, kv_scale, sm_scale)
+    return out[:, :heads].contiguous(), lse[:, :heads].contiguous()
+
+
 _KERNELS = {  # the functions registered as the "cuda" kernels of dsa::<op> (schemas in ops.py)
     "mla_cache_write": mla_cache_write,
     "indexer_k_cache_write": indexer_k_cache_write,
@@ -461,5 +477,5 @@ _KERNELS = {  # the functions registered as the "cuda" kernels of dsa::<op> (sch
         q, weights, pool, page_table, req_idx, seq_lens
     ),
     "topk_translate": _topk_translate_op,
-    "sparse_mla": sparse_mla,
+    "sparse_mla": _sparse_mla_op,
 }
