@@ -18,6 +18,10 @@ and PV run on fp8 tensor cores). "% roof" = max(FLOPs / 1377 TF, bytes / 4.3 TB/
 The FlashMLA column is its measured time on the same GPU for the same shape (h200_peer_anchors.md:
 sparse fp8 decode with its 656-B layout; sparse prefill with a bf16 KV).
 
+Small-T decode rows run split-KV (auto: the top-k list cut into chunks over one wave of SMs,
+then a combine kernel; both kernels are in the timed graph); rows marked "unsplit" force
+num_splits = 1 on the same shape for comparison.
+
 Usage: python benchmarks/bench_sparse_mla.py [--iters 20] [--md out.md] [--only decode|prefill]
 """
 
@@ -75,18 +79,22 @@ def random_q(tokens: int, heads: int, g: torch.Generator) -> torch.Tensor:
 
 
 class Launch:
-    """One preallocated dsa_launch_sparse_mla call (no Python allocation in the timed region)."""
+    """One preallocated dsa_launch_sparse_mla call (no Python allocation in the timed region).
+    num_splits: 0 = auto split-KV (the default of the op), 1 = unsplit."""
 
-    def __init__(self, q, pool, slots, kv_scale):
-        self.keep = (q, pool, slots)
+    def __init__(self, q, pool, slots, kv_scale, num_splits: int = 0):
+        lib = K.library()
+        assert lib is not None, K.library_error()
         t, h = q.shape[:2]
         self.out = torch.empty(t, h, D_V, dtype=torch.bfloat16, device="cuda")
         self.lse = torch.empty(t, h, dtype=torch.float32, device="cuda")
+        ws_bytes = lib.sparse_mla_workspace_size(t, h, slots.shape[1], K.CACHE_FP8)
+        self.workspace = torch.empty(ws_bytes, dtype=torch.uint8, device="cuda") if ws_bytes else None
+        self.keep = (q, pool, slots)
         self.p = K.SparseMlaParams(
             K._ptr(q), K._ptr(pool), K._ptr(slots), K._ptr(self.out), K._ptr(self.lse), t, h, slots.shape[1],
-            q.stride(0), q.stride(1), pool.shape[0] * PAGE, kv_scale, SM_SCALE, K.CACHE_FP8)
-        lib = K.library()
-        assert lib is not None, K.library_error()
+            q.stride(0), q.stride(1), pool.shape[0] * PAGE, kv_scale, SM_SCALE, K.CACHE_FP8, num_splits,
+            K._ptr(self.workspace))
         self.fn = lib.launchers["sparse_mla"]
         self.lib = lib
 
@@ -96,7 +104,7 @@ class Launch:
             raise RuntimeError(f"sparse_mla: {status}: {self.lib.last_error()}")
 
 
-def decode_case(b: int, s_q: int, h: int, topk: int, s_k: int, g: torch.Generator):
+def decode_case(b: int, s_q: int, h: int, topk: int, s_k: int, g: torch.Generator, num_splits: int = 0):
     pages_per_req = s_k // PAGE
     pool, kv_scale = random_pool(b * pages_per_req, g)
     table = torch.randperm(b * pages_per_req, generator=g, device="cuda").view(b, pages_per_req)
@@ -105,7 +113,7 @@ def decode_case(b: int, s_q: int, h: int, topk: int, s_k: int, g: torch.Generato
     slots = (table[req[:, None], pos // PAGE] * PAGE + pos % PAGE).to(torch.int32).contiguous()
     q = random_q(b * s_q, h, g)
     unique = int(torch.unique(slots).numel())
-    return Launch(q, pool, slots, kv_scale), count_flops_and_bytes_decode(b, s_q, h, topk, unique)
+    return Launch(q, pool, slots, kv_scale, num_splits), count_flops_and_bytes_decode(b, s_q, h, topk, unique)
 
 
 def prefill_case(s_q: int, h: int, topk: int, s_kv: int, g: torch.Generator):
@@ -117,13 +125,17 @@ def prefill_case(s_q: int, h: int, topk: int, s_kv: int, g: torch.Generator):
     return Launch(q, pool, slots, kv_scale), count_flops_and_bytes_prefill(s_q, h, topk, slots.numel())
 
 
-# (label, kind, args, FlashMLA µs on the H200 or None, target µs or None)
+# (label, kind, args, FlashMLA µs on the H200 or None, target µs or None[, keyword args of the case])
 CASES = [
     ("decode b=128 s_q=2 h=128 k=2048", "decode", (128, 2, 128, 2048, 32768), 365.7, 300.0),
     ("decode b=128 s_q=1 h=128 k=2048", "decode", (128, 1, 128, 2048, 32768), 186.8, 155.0),
     ("decode b=64 s_q=1 h=128 k=2048", "decode", (64, 1, 128, 2048, 32768), 97.5, 80.0),
     ("decode b=64 s_q=2 h=128 k=2048", "decode", (64, 2, 128, 2048, 32768), 187.3, None),
+    ("decode b=8 s_q=1 h=128 k=2048", "decode", (8, 1, 128, 2048, 32768), None, None),
     ("decode b=2 s_q=2 h=128 k=2048", "decode", (2, 2, 128, 2048, 32768), 21.4, None),
+    ("decode b=2 s_q=2 h=128 k=2048 unsplit", "decode", (2, 2, 128, 2048, 32768), 21.4, None, {"num_splits": 1}),
+    ("decode b=1 s_q=1 h=128 k=2048", "decode", (1, 1, 128, 2048, 32768), None, None),
+    ("decode b=1 s_q=1 h=128 k=2048 unsplit", "decode", (1, 1, 128, 2048, 32768), None, None, {"num_splits": 1}),
     ("decode b=128 s_q=1 h=128 k=512", "decode", (128, 1, 128, 512, 32768), None, None),
     ("decode b=128 s_q=1 h=128 k=64", "decode", (128, 1, 128, 64, 32768), None, None),
     ("decode b=128 s_q=1 h=64 k=2048 (TP2)", "decode", (128, 1, 64, 2048, 32768), None, None),
@@ -145,11 +157,12 @@ def main() -> None:
     header = "| shape | µs | TFLOP/s | TB/s | % of roofline | FlashMLA anchor µs | target µs |"
     rows = [header, "|---|---:|---:|---:|---:|---:|---:|"]
     print(header, flush=True)
-    for label, kind, cargs, anchor, target in CASES:
+    for label, kind, cargs, anchor, target, *kwargs in CASES:
         if args.only and kind != args.only:
             continue
         try:
-            launch, (flops, nbytes) = (decode_case if kind == "decode" else prefill_case)(*cargs, g)
+            case = decode_case if kind == "decode" else prefill_case
+            launch, (flops, nbytes) = case(*cargs, g, **(kwargs[0] if kwargs else {}))
             us = time_us(launch, flush_buf, args.iters)
             roof = max(flops / (FP8_TFLOPS * 1e12), nbytes / (COPY_TBPS * 1e12)) * 1e6
             row = (f"| {label} | {us:.1f} | {flops / us / 1e6:.1f} | {nbytes / us / 1e6:.2f} | "

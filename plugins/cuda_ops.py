@@ -124,6 +124,8 @@ class SparseMlaParams(ctypes.Structure):
         ("kv_scale", c_float),
         ("sm_scale", c_float),
         ("format", c_int),
+        ("num_splits", c_int),
+        ("workspace", c_void_p),
     ]
 
 
@@ -158,6 +160,11 @@ class KernelLibrary:
             ws.restype = c_size_t
             ws.argtypes = [c_int64, c_int64, c_int]
         self.topk_workspace_size = ws
+        ws = getattr(self._dll, "dsa_sparse_mla_workspace_size", None)
+        if ws is not None:
+            ws.restype = c_size_t
+            ws.argtypes = [c_int64, c_int, c_int, c_int]
+        self.sparse_mla_workspace_size = ws
 
     def last_error(self) -> str:
         msg = self._dll.dsa_last_error_message()
@@ -420,7 +427,25 @@ def topk_translate(logits, lengths, page_table, req_idx, k: int, *, slots=None, 
     return (slots, indices) if (return_indices or indices is not None) else slots
 
 
-def sparse_mla(q, pool, slots, kv_scale: float, sm_scale: float):
+MLA_SPLITS_ENV = "DSA_MLA_SPLITS"
+
+
+def _mla_splits(num_splits: int | None) -> int:
+    """The params' num_splits: the argument, else DSA_MLA_SPLITS, else 0 (auto; dsa_kernels.h)."""
+    if num_splits is None:
+        raw = os.environ.get(MLA_SPLITS_ENV, "0")
+        try:
+            num_splits = int(raw)
+        except ValueError:
+            _fail("sparse_mla", f"{MLA_SPLITS_ENV}={raw!r} is not an integer (0 = auto, 1 = unsplit, n = n chunks)")
+    if not (isinstance(num_splits, int) and 0 <= num_splits <= INT32_MAX):
+        _fail("sparse_mla", f"num_splits={num_splits!r} must be an int >= 0 (0 = auto, 1 = unsplit, n = n chunks)")
+    return num_splits
+
+
+def sparse_mla(q, pool, slots, kv_scale: float, sm_scale: float, *, num_splits: int | None = None):
+    """(out [T, H, 512] bf16, lse [T, H] fp32). num_splits: split-KV chunks of the fp8 kernel (0 = auto
+    from T, H and the SM count, 1 = unsplit, n = about n chunks); None reads DSA_MLA_SPLITS (default 0)."""
     op = "sparse_mla"
     fmt = _mla_pool_format(pool)
     if fmt is None or q.dtype != torch.bfloat16:
@@ -438,15 +463,19 @@ def sparse_mla(q, pool, slots, kv_scale: float, sm_scale: float):
         _fail(op, f"pool of {pool.shape[0]} pages: slot ids overflow int32")
     out = torch.empty((num_tokens, heads, MLA_V_DIM), dtype=torch.bfloat16, device=dev)
     lse = torch.empty((num_tokens, heads), dtype=torch.float32, device=dev)
+    splits = _mla_splits(num_splits)
     if num_tokens == 0 or heads == 0:
         return out, lse
+    lib = _require_lib()
+    ws_bytes = lib.sparse_mla_workspace_size(num_tokens, heads, topk, fmt) if lib.sparse_mla_workspace_size else 0
+    workspace = torch.empty(ws_bytes, dtype=torch.uint8, device=dev) if ws_bytes else None  # [ws_bytes] fp32 partials
     p = SparseMlaParams(
         _ptr(q), _ptr(pool), _ptr(slots), _ptr(out), _ptr(lse), num_tokens, heads, topk,
         q.stride(0) if num_tokens > 1 else heads * MLA_DIM, q.stride(1) if heads > 1 else MLA_DIM,
-        pool.shape[0] * PAGE_SIZE, float(kv_scale), float(sm_scale), fmt,
+        pool.shape[0] * PAGE_SIZE, float(kv_scale), float(sm_scale), fmt, splits, _ptr(workspace),
     )
     with torch.cuda.device(dev):
-        _require_lib().launch(op, p, dev)
+        lib.launch(op, p, dev)
     return out, lse
 
 

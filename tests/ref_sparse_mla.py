@@ -9,9 +9,12 @@ Never imports dsa_trt. Two functions:
   gives out 0 and lse -inf.
 * ``sparse_mla_fp8_emulated``: the same operator computed the way the fp8 kernel computes it
   (q quantised per head to e4m3 with scale amax / 448 -- in float32, bit-exact with the kernel --,
-  online softmax over tiles of 64 keys in the log2 domain, P stored as e4m3 after a 2^8
-  pre-scale), in float64 elsewhere. The kernel should match it up to fp32 accumulation order and ex2.approx, so the
-  tight test tier measures kernel bugs, not quantisation error.
+  online softmax over tiles of 64 keys in the log2 domain with the running max rounded up to an
+  integer, P = 2^(z - m + 8) stored as e4m3), in float64 elsewhere. The kernel should match it
+  up to fp32 accumulation order and ex2.approx, so the tight test tier measures kernel bugs, not
+  quantisation error. Because m is an integer, P under any other max (a split-KV chunk's) is the
+  same e4m3 value times a power of two (outside the e4m3 subnormals, < 2^-14 of the row max), so
+  this one replay also stands for the kernel's split runs.
 """
 
 from __future__ import annotations
@@ -94,7 +97,7 @@ def sparse_mla_fp8_emulated(q: torch.Tensor, pool: torch.Tensor, slots: torch.Te
         vt = valid[:, k0:k0 + TILE_KEYS]
         z = torch.einsum("thd,tkd->thk", q8, kt) * f[..., None]
         z = z.masked_fill(~vt[:, None, :], -math.inf)
-        m_new = torch.maximum(m, z.nan_to_num(nan=-math.inf).amax(dim=-1))
+        m_new = torch.maximum(m, torch.ceil(z.nan_to_num(nan=-math.inf).amax(dim=-1)))
         alpha = torch.where(m == -math.inf, torch.zeros_like(m), torch.exp2(m - m_new))
         bias = torch.where(m_new == -math.inf, torch.zeros_like(m_new), P_OFFSET - m_new)
         p = torch.exp2(z + bias[..., None])

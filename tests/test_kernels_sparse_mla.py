@@ -9,6 +9,13 @@ fp8 pool, three tiers (per output; tolerances next to each check with the reason
      adds the q -> e4m3 quantisation error the fp8 kernel accepts (docs/sparse_mla_notes.md).
   3. loose: vs an unquantised bf16 pool: adds the pool's own fp8 error.
 bf16 pool (exact mode): one tier vs the float64 reference.
+
+Split-KV (fp8, small T): the launcher cuts each token's top-k list into chunks of whole 64-key
+tiles when T * ceil(H / 64) CTAs would leave the GPU idle (auto: one wave of the SMs; num_splits /
+DSA_MLA_SPLITS force a count) and combines fp32 partials. The kernel's running max is an integer,
+so a chunk rounds P to e4m3 exactly as the unsplit run does: split results are checked against
+the same three tiers AND tightly against the unsplit run of the same inputs; a white-box test
+checks each chunk's partials and the combine separately.
 """
 
 from __future__ import annotations
@@ -41,10 +48,11 @@ def K():
 # ---------------------------------------------------------------- inputs
 def make_case(seed: int, tokens: int, heads: int, topk: int, num_pages: int, *, invalid_frac: float = 0.0,
               empty_tokens: tuple[int, ...] = (), pad_tail: int = 0, score_std: float = 1.5,
-              q_strides: tuple[int, int] | None = None):
+              q_strides: tuple[int, int] | None = None, dead_range: tuple[int, int] | None = None):
     """Random pool / q / slots (never zeros). Slots: distinct random rows scattered over the whole pool
     (as top-k yields), a random fraction set to -1, the last `pad_tail` set to -1 (fewer candidates
-    than k), whole rows -1 for `empty_tokens`."""
+    than k), whole rows -1 for `empty_tokens`, keys [a, b) of every row -1 for `dead_range` (a whole
+    split-KV chunk without a valid slot)."""
     g = torch.Generator(device=DEV).manual_seed(seed)
     n_slots = num_pages * R.PAGE_SIZE
     kv = torch.randn(n_slots, R.MLA_DIM, generator=g, device=DEV)
@@ -62,6 +70,8 @@ def make_case(seed: int, tokens: int, heads: int, topk: int, num_pages: int, *, 
         slots = slots.masked_fill(drop, -1)
     if pad_tail:
         slots[:, topk - pad_tail:] = -1
+    if dead_range is not None:
+        slots[:, dead_range[0]:dead_range[1]] = -1
     for t in empty_tokens:
         slots[t] = -1
     # score std ~ score_std: sm_scale * |q| |kv| / sqrt(576) per unit-variance pair
@@ -112,16 +122,24 @@ def check_close(name: str, got: torch.Tensor, want: torch.Tensor, *, rel_fro: fl
     return rel
 
 
-def run_kernel(K, case, fmt: str):
+def run_kernel(K, case, fmt: str, num_splits: int | None = None):
+    """num_splits: None = DSA_MLA_SPLITS or auto, 0 = auto, 1 = unsplit, n = about n chunks."""
     pool = case["pool8"] if fmt == "fp8" else case["pool16"]
-    out, lse = K.sparse_mla(case["q"], pool, case["slots"], case["kv_scale"], SM_SCALE)
+    out, lse = K.sparse_mla(case["q"], pool, case["slots"], case["kv_scale"], SM_SCALE, num_splits=num_splits)
     torch.cuda.synchronize()
     return out, lse
 
 
-def check_fp8(K, case, params: str, score_std: float = 1.5):
+def poisoned_workspace(K, tokens: int, heads: int, topk: int, fmt: int = 0) -> torch.Tensor | None:
+    """dsa_sparse_mla_workspace_size() bytes as a NaN-filled fp32 tensor (None when 0 bytes)."""
+    nbytes = K.library().sparse_mla_workspace_size(tokens, heads, topk, fmt)
+    assert nbytes % 4 == 0, f"workspace size {nbytes} is not whole fp32 elements"
+    return torch.full((nbytes // 4,), float("nan"), dtype=torch.float32, device=DEV) if nbytes else None
+
+
+def check_fp8(K, case, params: str, score_std: float = 1.5, num_splits: int | None = None):
     q, pool8, slots, kv_scale = case["q"], case["pool8"], case["slots"], case["kv_scale"]
-    out, lse = run_kernel(K, case, "fp8")
+    out, lse = run_kernel(K, case, "fp8", num_splits)
     # tier 1: the kernel's quantisation replayed in float64 (q8 bit-exact). A float32 replay of the
     # same arithmetic lands at 1.6e-3 rel (bf16 rounding of out, rare e4m3 flips of P). The H200's
     # fp8 wgmma accumulates with reduced precision (DeepSeek-V3 report: ~14 bits), which moves the
@@ -198,13 +216,14 @@ def test_fp8_nan_propagates(K):
     assert torch.isnan(out[1, 3]).all() and torch.isnan(out[2]).all()
 
 
-def _raw_launch(K, case, out, lse, *, heads=None, topk=None, fmt=0):
-    """Call dsa_launch_sparse_mla directly (caller-owned outputs, arbitrary params)."""
+def _raw_launch(K, case, out, lse, *, heads=None, topk=None, fmt=0, num_splits=0, workspace=None):
+    """Call dsa_launch_sparse_mla directly (caller-owned outputs and workspace, arbitrary params)."""
     q, pool, slots = case["q"], case["pool8"] if fmt == 0 else case["pool16"], case["slots"]
     p = K.SparseMlaParams(
         K._ptr(q), K._ptr(pool), K._ptr(slots), K._ptr(out), K._ptr(lse), q.shape[0],
         heads if heads is not None else q.shape[1], topk if topk is not None else slots.shape[1],
-        q.stride(0), q.stride(1), pool.shape[0] * R.PAGE_SIZE, case["kv_scale"], SM_SCALE, fmt)
+        q.stride(0), q.stride(1), pool.shape[0] * R.PAGE_SIZE, case["kv_scale"], SM_SCALE, fmt, num_splits,
+        K._ptr(workspace))
     lib = K.library()
     fn = lib.launchers["sparse_mla"]
     import ctypes
@@ -213,13 +232,15 @@ def _raw_launch(K, case, out, lse, *, heads=None, topk=None, fmt=0):
     return status, lib.last_error()
 
 
-@pytest.mark.parametrize("fmt", [0, 1])
-def test_outputs_poisoned_before_launch(K, fmt):
-    """Every out / lse element must be written: NaN-poisoned buffers come back NaN-free."""
+@pytest.mark.parametrize("fmt,num_splits", [(0, 0), (0, 1), (0, 2), (1, 0)])
+def test_outputs_poisoned_before_launch(K, fmt, num_splits):
+    """Every out / lse element must be written: NaN-poisoned buffers come back NaN-free (fp8: auto =
+    5 chunks of one tile here, unsplit, and 2 chunks; the workspace is NaN-poisoned too)."""
     case = make_case(31, 5, 128, 300, 16, invalid_frac=0.1, empty_tokens=(2,))
     out = torch.full((5, 128, R.MLA_V_DIM), float("nan"), dtype=torch.bfloat16, device=DEV)
     lse = torch.full((5, 128), float("nan"), dtype=torch.float32, device=DEV)
-    status, msg = _raw_launch(K, case, out, lse, fmt=fmt)
+    status, msg = _raw_launch(K, case, out, lse, fmt=fmt, num_splits=num_splits,
+                              workspace=poisoned_workspace(K, 5, 128, 300, fmt))
     torch.cuda.synchronize()
     assert status == 0, msg
     assert not torch.isnan(out).any(), f"out: {int(torch.isnan(out).sum())} elements never written"
@@ -240,6 +261,175 @@ def test_bad_params_fail_loudly(K, heads, topk, fmt, needle):
     assert status != 0 and needle in msg, f"status {status}, message {msg!r}"
 
 
+# ---------------------------------------------------------------- fp8 pool: split-KV (small T)
+def n_chunks(topk: int, num_splits: int) -> int:
+    """dsa_kernels.h: num_splits = n runs ceil(tiles / ceil(tiles / n)) chunks of whole 64-key tiles."""
+    tiles = -(-topk // R.TILE_KEYS)
+    n = max(1, min(num_splits, tiles))
+    return -(-tiles // -(-tiles // n))
+
+
+def chunk_keys(topk: int, chunks: int) -> list[tuple[int, int]]:
+    """Key range [k0, k1) of each chunk: ceil(tiles / chunks) tiles each, the last one shorter."""
+    tiles = -(-topk // R.TILE_KEYS)
+    per = -(-tiles // chunks) * R.TILE_KEYS
+    return [(c * per, min(topk, (c + 1) * per)) for c in range(chunks)]
+
+
+def check_same_as_unsplit(got, unsplit, params: str):
+    """Split and unsplit runs of the same inputs. Same q8, same QK^T per tile and (integer running
+    max) the same e4m3 P up to a power of two, so what differs is: the bf16 rounding of two fp32
+    values a few ulps apart (<= 2^-9 per element, ~1e-3 rel Frobenius), the fp8 tensor cores'
+    reduced-precision accumulation of PV over 32 tiles in one accumulator vs one chunk's tiles
+    (bounded by the whole kernel's 5-8e-3 measured against the float64 replay, most of which is
+    QK^T, common to both), fp32 sums of l in another order (lse: ~1e-6). A missing, doubled or
+    misplaced tile, or a wrong combine weight, is >= 3e-2."""
+    check_close("out split vs unsplit", got[0], unsplit[0], rel_fro=5e-3, row_rel=2.5e-2, params=params)
+    check_close("lse split vs unsplit", got[1], unsplit[1], rel_fro=1e-5, atol=1e-4, params=params)
+
+
+SPLIT_CASES = [
+    # (tokens, heads, topk, num_pages, extra, chunk counts forced besides auto; each vs unsplit)
+    (1, 128, 2048, 256, {}, (2, 5, 32)),                       # b=1 decode: auto = 32 chunks of one tile
+    (2, 128, 2048, 256, {"invalid_frac": 0.1}, (3, 16)),       # scattered -1
+    (3, 64, 2048, 256, {"dead_range": (512, 1024)}, (4, 32)),  # num_splits=4: chunk 1 is all -1
+    (8, 16, 2048, 128, {"empty_tokens": (2,)}, (2, 8)),        # an all -1 row: out 0, lse -inf
+    (8, 128, 2048, 256, {}, (4,)),                             # b=8 decode: auto = 8 chunks of 4 tiles
+    (2, 128, 512, 64, {"pad_tail": 300}, (2, 8)),              # -1 tail: the last chunks empty / partial
+    (3, 16, 77, 16, {}, (2,)),                                 # odd k: 2 tiles, the second holds 13 keys
+    (1, 64, 200, 16, {"invalid_frac": 0.3}, (4,)),             # k % 64 != 0 with holes
+    (2, 128, 64, 16, {}, (2,)),                                # one tile: nothing to split (2 -> 1 chunk)
+    (1, 16, 2048, 64, {"score_std": 6.0}, (32,)),              # peaky attention
+    (4, 128, 1000, 128, {"dead_range": (0, 512)}, (2,)),       # num_splits=2: the first chunk all -1
+]
+
+
+@pytest.mark.parametrize("tokens,heads,topk,num_pages,extra,forced", SPLIT_CASES)
+def test_fp8_split(K, tokens, heads, topk, num_pages, extra, forced):
+    params = f"split T={tokens} H={heads} k={topk} pages={num_pages} {extra}"
+    case = make_case(zlib.crc32(params.encode()) % 1000 + 1, tokens, heads, topk, num_pages, **extra)
+    score_std = extra.get("score_std", 1.5)
+    auto = check_fp8(K, case, params + " auto", score_std, num_splits=0)
+    unsplit = run_kernel(K, case, "fp8", num_splits=1)
+    check_same_as_unsplit(auto, unsplit, params + " auto")
+    for n in forced:
+        got = run_kernel(K, case, "fp8", num_splits=n)
+        check_same_as_unsplit(got, unsplit, f"{params} num_splits={n} ({n_chunks(topk, n)} chunks)")
+    for t in extra.get("empty_tokens", ()):
+        assert torch.all(auto[0][t] == 0), f"[{params}] token {t} has no valid slot: out must be 0"
+        assert torch.all(torch.isneginf(auto[1][t])), f"[{params}] token {t} has no valid slot: lse must be -inf"
+    again = run_kernel(K, case, "fp8", num_splits=0)
+    assert torch.equal(auto[0].view(torch.int16), again[0].view(torch.int16)), f"[{params}] rerun: out not bitwise"
+    assert torch.equal(auto[1].view(torch.int32), again[1].view(torch.int32)), f"[{params}] rerun: lse not bitwise"
+
+
+@pytest.mark.parametrize("tokens,heads,topk,num_splits,extra", [
+    (2, 128, 2048, 4, {"dead_range": (512, 1024)}),  # 4 chunks of 8 tiles, chunk 1 all -1
+    (3, 16, 200, 4, {"invalid_frac": 0.2}),          # 4 chunks of one tile, the last holds 8 keys
+    (2, 64, 1024, 3, {"empty_tokens": (1,)}),        # 3 chunks of 6, 6, 4 tiles; token 1 all -1
+])
+def test_fp8_split_partials(K, tokens, heads, topk, num_splits, extra):
+    """White-box (workspace layout of sparse_mla.cuh SplitPlan: part_out [n, T, H, 512] fp32, then
+    part_lse [n, T, H]): every chunk's partial against the fp8 replay of that chunk's keys alone,
+    then the kernel's out / lse against a float64 combine of those partials, so a failure names
+    the chunk kernel or the combine."""
+    params = f"partials T={tokens} H={heads} k={topk} num_splits={num_splits} {extra}"
+    case = make_case(zlib.crc32(params.encode()) % 1000 + 1, tokens, heads, topk, 128, **extra)
+    n = n_chunks(topk, num_splits)
+    ws = poisoned_workspace(K, tokens, heads, topk)
+    out = torch.full((tokens, heads, R.MLA_V_DIM), float("nan"), dtype=torch.bfloat16, device=DEV)
+    lse = torch.full((tokens, heads), float("nan"), dtype=torch.float32, device=DEV)
+    status, msg = _raw_launch(K, case, out, lse, num_splits=num_splits, workspace=ws)
+    torch.cuda.synchronize()
+    assert status == 0, msg
+    rows = tokens * heads
+    assert ws.numel() >= n * rows * (R.MLA_V_DIM + 1), f"[{params}] workspace of {ws.numel()} floats < {n} chunks"
+    part_out = ws[:n * rows * R.MLA_V_DIM].view(n, tokens, heads, R.MLA_V_DIM)
+    part_lse = ws[n * rows * R.MLA_V_DIM:n * rows * (R.MLA_V_DIM + 1)].view(n, tokens, heads)
+    for c in range(n):
+        holes = torch.isnan(part_lse[c]).nonzero().tolist() + torch.isnan(part_out[c]).any(-1).nonzero().tolist()
+        assert not holes, f"[{params}] chunk {c}: (token, head) {holes[:4]} never written ({len(holes)} holes)"
+    for c, (k0, k1) in enumerate(chunk_keys(topk, n)):
+        e_out, e_lse = R.sparse_mla_fp8_emulated(case["q"], case["pool8"], case["slots"][:, k0:k1].contiguous(),
+                                                 case["kv_scale"], SM_SCALE)
+        # tier-1 tolerances of check_fp8 (score std 1.5); the partial is fp32, no bf16 rounding
+        check_close(f"chunk {c} (keys {k0}..{k1}) partial out", part_out[c], e_out, rel_fro=2e-2, row_rel=0.09,
+                    params=params)
+        check_close(f"chunk {c} (keys {k0}..{k1}) partial lse", part_lse[c], e_lse, rel_fro=2e-3, atol=0.075,
+                    params=params)
+    pl = part_lse.double()
+    m = pl.amax(dim=0)
+    w = torch.exp(pl - torch.where(torch.isinf(m), torch.zeros_like(m), m))  # [n, T, H]; 0 for -inf chunks
+    w_sum = w.sum(dim=0)
+    empty = w_sum == 0
+    c_out = torch.where(empty[..., None], 0.0, (w[..., None] * part_out.double()).sum(0) / w_sum[..., None])
+    c_lse = torch.where(empty, -math.inf, m + torch.log(w_sum))
+    # fp32 combine vs float64: the bf16 rounding of out (<= 2^-9 per element), ~1e-6 on lse
+    check_close("out vs float64 combine of the partials", out, c_out, rel_fro=3e-3, row_rel=8e-3, params=params)
+    check_close("lse vs float64 combine of the partials", lse, c_lse, rel_fro=1e-5, atol=1e-5, params=params)
+
+
+def test_fp8_split_auto_takes_workspace(K):
+    """b=1 decode (T=1, H=128, k=2048: 2 CTAs unsplit) must split in auto mode (32 chunks on a
+    132-SM H200): the workspace gets written, and the raw call equals the binding's auto call."""
+    case = make_case(51, 1, 128, 2048, 256)
+    ws = poisoned_workspace(K, 1, 128, 2048)
+    assert ws is not None, "dsa_sparse_mla_workspace_size(1, 128, 2048, fp8) = 0: the launcher can never split"
+    out = torch.empty((1, 128, R.MLA_V_DIM), dtype=torch.bfloat16, device=DEV)
+    lse = torch.empty((1, 128), dtype=torch.float32, device=DEV)
+    status, msg = _raw_launch(K, case, out, lse, num_splits=0, workspace=ws)
+    torch.cuda.synchronize()
+    assert status == 0, msg
+    written = int((~torch.isnan(ws)).sum())
+    assert written >= 2 * 128 * (R.MLA_V_DIM + 1), (
+        f"auto mode wrote {written} workspace floats at T=1 H=128 k=2048: it did not split")
+    b_out, b_lse = run_kernel(K, case, "fp8", num_splits=0)
+    assert torch.equal(out.view(torch.int16), b_out.view(torch.int16)), "raw launch and binding differ (out)"
+    assert torch.equal(lse.view(torch.int32), b_lse.view(torch.int32)), "raw launch and binding differ (lse)"
+
+
+def test_fp8_split_null_workspace(K):
+    """Auto with workspace NULL runs the unsplit kernel (bitwise equal to num_splits=1); a forced
+    count without a workspace fails loudly."""
+    case = make_case(53, 2, 128, 2048, 256)
+    out = torch.empty((2, 128, R.MLA_V_DIM), dtype=torch.bfloat16, device=DEV)
+    lse = torch.empty((2, 128), dtype=torch.float32, device=DEV)
+    status, msg = _raw_launch(K, case, out, lse, num_splits=0, workspace=None)
+    torch.cuda.synchronize()
+    assert status == 0, msg
+    u_out, u_lse = run_kernel(K, case, "fp8", num_splits=1)
+    assert torch.equal(out.view(torch.int16), u_out.view(torch.int16)), "auto + NULL workspace is not the unsplit run"
+    assert torch.equal(lse.view(torch.int32), u_lse.view(torch.int32)), "auto + NULL workspace is not the unsplit run"
+    status, msg = _raw_launch(K, case, out, lse, num_splits=4, workspace=None)
+    assert status != 0 and "num_splits=4 needs a workspace" in msg, f"status {status}, message {msg!r}"
+
+
+@pytest.mark.parametrize("tokens,topk,num_splits,needle", [
+    (2, 64, -1, "num_splits=-1 < 0"),
+    (34, 128, 2, "exceeds the split grid limit of 132 CTAs"),  # 34 tokens x 2 head blocks x 2 chunks = 136
+])
+def test_split_bad_params_fail_loudly(K, tokens, topk, num_splits, needle):
+    case = make_case(55, tokens, 128, topk, 8)
+    out = torch.empty((tokens, 128, R.MLA_V_DIM), dtype=torch.bfloat16, device=DEV)
+    lse = torch.empty((tokens, 128), dtype=torch.float32, device=DEV)
+    ws = poisoned_workspace(K, tokens, 128, topk)
+    status, msg = _raw_launch(K, case, out, lse, num_splits=num_splits, workspace=ws)
+    assert status != 0 and needle in msg, f"status {status}, message {msg!r}"
+
+
+def test_split_knob_env(K, monkeypatch):
+    """DSA_MLA_SPLITS is the binding's default num_splits; a non-integer is refused by name."""
+    case = make_case(59, 1, 128, 2048, 256)
+    monkeypatch.setenv("DSA_MLA_SPLITS", "1")
+    env_out, env_lse = run_kernel(K, case, "fp8")
+    u_out, u_lse = run_kernel(K, case, "fp8", num_splits=1)
+    assert torch.equal(env_out.view(torch.int16), u_out.view(torch.int16)), "DSA_MLA_SPLITS=1 is not the unsplit run"
+    assert torch.equal(env_lse.view(torch.int32), u_lse.view(torch.int32)), "DSA_MLA_SPLITS=1 is not the unsplit run"
+    monkeypatch.setenv("DSA_MLA_SPLITS", "four")
+    with pytest.raises(ValueError, match="DSA_MLA_SPLITS='four'"):
+        run_kernel(K, case, "fp8")
+
+
 # ---------------------------------------------------------------- bf16 pool (exact mode)
 @pytest.mark.parametrize("tokens,heads,topk,extra", [
     (3, 16, 16, {}),
@@ -257,3 +447,12 @@ def test_bf16_exact_mode(K, tokens, heads, topk, extra):
     check_close("out (bf16 pool)", out, want_out, rel_fro=3e-3, row_rel=6e-3, params=params)
     # lse: fp32 online softmax, error ~1e-6 relative.
     check_close("lse (bf16 pool)", lse, want_lse, rel_fro=1e-5, atol=1e-4, params=params)
+
+
+def test_bf16_ignores_num_splits(K):
+    """The exact-mode kernel never splits: a forced count changes nothing (bitwise)."""
+    case = make_case(57, 2, 128, 512, 16)
+    a_out, a_lse = run_kernel(K, case, "bf16", num_splits=4)
+    b_out, b_lse = run_kernel(K, case, "bf16", num_splits=1)
+    assert torch.equal(a_out.view(torch.int16), b_out.view(torch.int16)), "bf16: num_splits changed out"
+    assert torch.equal(a_lse.view(torch.int32), b_lse.view(torch.int32)), "bf16: num_splits changed lse"

@@ -114,6 +114,14 @@ int dsa_launch_topk_translate(const DsaTopkTranslateParams* p, cudaStream_t stre
 // out[t,h] = sum_j softmax_j(sm_scale * q[t,h] . kv[slot_j]) * kv[slot_j][0:512]   (slot_j != -1)
 // kv = dequant(pool[slot]) = e4m3 * kv_scale (fp8) or bf16. lse in natural log; rows with no
 // valid slot give out = 0 and lse = -inf.
+//
+// Split-KV (fp8 only, small T): when T * ceil(H / 64) CTAs leave most SMs idle, each token's
+// top-k list is cut into chunks of whole 64-key tiles, one CTA per (token, head block, chunk)
+// writes an fp32 partial out + lse into `workspace`, and a combine kernel merges them.
+// num_splits = 0 picks the chunk count from T, H and the SM count (at most one wave, 132 CTAs);
+// 1 never splits; n > 1 asks for about n chunks (ceil(tiles / ceil(tiles / n)), whole tiles) and
+// fails if that needs more than 132 CTAs or workspace is NULL. With num_splits = 0 and workspace
+// NULL the launcher runs unsplit. The bf16 pool (exact mode) never splits and ignores both.
 typedef struct {
   const void* q;               // [T, heads, 576] bf16 (absorbed: [q_lat; q_pe])
   const void* pool;            // [num_pages, 64, 576] uint8 (fp8) or bf16
@@ -129,8 +137,13 @@ typedef struct {
   float kv_scale;
   float sm_scale;
   int format;
+  int num_splits;              // 0 = auto, 1 = unsplit, n = about n chunks (see above)
+  void* workspace;             // dsa_sparse_mla_workspace_size() bytes, 16-byte aligned (may be NULL)
 } DsaSparseMlaParams;
 
+// Bytes of workspace any launch with at most num_tokens tokens (same heads, topk, format) may
+// use: size it for the largest T of a TensorRT profile. Independent of the device; 0 for bf16.
+size_t dsa_sparse_mla_workspace_size(int64_t num_tokens, int num_heads, int topk, int format);
 int dsa_launch_sparse_mla(const DsaSparseMlaParams* p, cudaStream_t stream);
 
 // Human-readable description of the last DSA_ERR_* returned on this thread.

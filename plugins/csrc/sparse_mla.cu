@@ -2,11 +2,16 @@
 //
 //   out[t,h] = sum_j softmax_j(sm_scale * q[t,h] . kv[slot_j]) * kv[slot_j][0:512]   (slot_j valid)
 //
-// fp8 pool  -> sparse_mla_fp8.cu: fp8 wgmma kernel (q quantised per head to e4m3, P in e4m3).
-// bf16 pool -> sparse_mla_bf16.cu: fp32 CUDA-core kernel (exact-comparison mode).
+// fp8 pool  -> sparse_mla_fp8.cu: fp8 wgmma kernel (q quantised per head to e4m3, P in e4m3),
+//              or, when T is small, sparse_mla_fp8_split.cu: the same kernel over chunks of the
+//              top-k list + a combine kernel (split-KV; the rule is choose_splits below).
+// bf16 pool -> sparse_mla_bf16.cu: fp32 CUDA-core kernel (exact-comparison mode), never split.
 // Slots < 0 and slots >= num_slots are skipped (the pool is never read out of bounds); a row
 // with no valid slot gives out = 0 and lse = -inf.
 #include <math.h>
+
+#include <algorithm>
+#include <atomic>
 
 #include "common.cuh"
 #include "sparse_mla.cuh"
@@ -14,10 +19,97 @@
 namespace {
 
 constexpr int kMaxTopk = 2048;
+constexpr int kTileKeys = 64;      // the fp8 kernel's key tile: chunks are whole tiles
+constexpr int kHeadsPerCta = 64;   // the fp8 kernel's head block (wgmma M)
+constexpr int kPartFloatsPerRow = DSA_MLA_V_DIM + 1;  // workspace per (chunk, token, head): out + lse
+// Split grids stay within one wave of the largest sm_90 part (H100 SXM / H200: 132 SMs, one CTA
+// each): the kernel's per-CTA fixed cost (~15 us: slots, q, pipeline fill) makes a second wave
+// cost more than the shorter chunks save. A constant, not the device's count, so that the
+// workspace bound (and a TensorRT engine's workspace) does not depend on the device.
+constexpr int64_t kMaxSplitCtas = 132;
 
 bool aligned(const void* ptr, uintptr_t bytes) { return (reinterpret_cast<uintptr_t>(ptr) % bytes) == 0; }
 
+int64_t head_blocks(int num_heads) { return (num_heads + kHeadsPerCta - 1) / kHeadsPerCta; }
+int tiles_of(int topk) { return (topk + kTileKeys - 1) / kTileKeys; }
+
+// About `want` chunks of whole tiles, none empty: ceil(tiles / ceil(tiles / want)) <= want.
+int whole_tile_chunks(int tiles, int64_t want) {
+  const int64_t n = std::max<int64_t>(1, std::min<int64_t>(want, tiles));
+  const int64_t per = (tiles + n - 1) / n;
+  return static_cast<int>((tiles + per - 1) / per);
+}
+
+// The most chunks a launch of num_tokens tokens gets with `ctas_budget` CTAs: all chunks of all
+// tokens in one wave, at least two chunks per token, else 1 (unsplit).
+int max_splits(int64_t num_tokens, int num_heads, int topk, int64_t ctas_budget) {
+  const int64_t ctas = num_tokens * head_blocks(num_heads);
+  if (ctas * 2 > ctas_budget) return 1;
+  return whole_tile_chunks(tiles_of(topk), ctas_budget / ctas);
+}
+
+size_t split_bytes(int64_t num_tokens, int num_heads, int n_splits) {
+  if (n_splits <= 1) return 0;
+  return static_cast<size_t>(n_splits) * static_cast<size_t>(num_tokens) * static_cast<size_t>(num_heads) *
+         kPartFloatsPerRow * sizeof(float);
+}
+
+// SMs of the current device, queried once per device (launches may happen inside graph capture).
+int current_sm_count(int* sms) {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> cached[kMaxDevices];  // 0 = not queried yet
+  int dev = 0;
+  DSA_CUDA_CHECK(cudaGetDevice(&dev));
+  if (dev < kMaxDevices && (*sms = cached[dev].load(std::memory_order_relaxed)) > 0) return DSA_OK;
+  DSA_CUDA_CHECK(cudaDeviceGetAttribute(sms, cudaDevAttrMultiProcessorCount, dev));
+  if (dev < kMaxDevices) cached[dev].store(*sms, std::memory_order_relaxed);
+  return DSA_OK;
+}
+
+bool fp8_shape_supported(int num_heads, int topk) {
+  return (num_heads == 16 || num_heads == 32 || num_heads == 64 || num_heads == 128) && topk >= 1 &&
+         topk <= kMaxTopk;
+}
+
+// The chunk count of a validated fp8 launch: 1 (unsplit) or >= 2 with a workspace. num_splits:
+// 0 = auto (one wave of this device's SMs, capped at kMaxSplitCtas; unsplit without a workspace),
+// n >= 1 = about n chunks (an error if that needs a missing workspace or more than kMaxSplitCtas).
+int choose_splits(const DsaSparseMlaParams& p, int* n_splits) {
+  *n_splits = 1;
+  const int64_t ctas = p.num_tokens * head_blocks(p.num_heads);
+  if (p.num_splits == 0) {
+    if (p.workspace == nullptr) return DSA_OK;
+    int sms = 0;
+    const int status = current_sm_count(&sms);
+    if (status != DSA_OK) return status;
+    *n_splits = max_splits(p.num_tokens, p.num_heads, p.topk, std::min<int64_t>(sms, kMaxSplitCtas));
+    return DSA_OK;
+  }
+  *n_splits = whole_tile_chunks(tiles_of(p.topk), p.num_splits);
+  if (*n_splits == 1) return DSA_OK;
+  DSA_CHECK_ARG(ctas * *n_splits <= kMaxSplitCtas,
+                "sparse_mla: num_splits=%d (%d chunks of whole 64-key tiles) x %lld CTAs (num_tokens=%lld, "
+                "num_heads=%d) exceeds the split grid limit of %lld CTAs",
+                p.num_splits, *n_splits, static_cast<long long>(ctas), static_cast<long long>(p.num_tokens),
+                p.num_heads, static_cast<long long>(kMaxSplitCtas));
+  DSA_CHECK_ARG(p.workspace != nullptr,
+                "sparse_mla: num_splits=%d needs a workspace of dsa_sparse_mla_workspace_size() bytes, got NULL",
+                p.num_splits);
+  return DSA_OK;
+}
+
 }  // namespace
+
+extern "C" size_t dsa_sparse_mla_workspace_size(int64_t num_tokens, int num_heads, int topk, int format) {
+  if (format != DSA_CACHE_FP8 || num_tokens <= 0 || !fp8_shape_supported(num_heads, topk)) return 0;
+  // The bytes needed peak at some T' <= num_tokens (more tokens -> fewer chunks each): take the max
+  // over every T' that can split at all (T' * head blocks * 2 <= kMaxSplitCtas).
+  size_t bytes = 0;
+  const int64_t last = std::min<int64_t>(num_tokens, kMaxSplitCtas);
+  for (int64_t t = 1; t <= last; ++t)
+    bytes = std::max(bytes, split_bytes(t, num_heads, max_splits(t, num_heads, topk, kMaxSplitCtas)));
+  return bytes;
+}
 
 extern "C" int dsa_launch_sparse_mla(const DsaSparseMlaParams* p, cudaStream_t stream) {
   DSA_CHECK_ARG(p != nullptr, "sparse_mla: params is NULL");
@@ -35,7 +127,8 @@ extern "C" int dsa_launch_sparse_mla(const DsaSparseMlaParams* p, cudaStream_t s
                 "sparse_mla: q strides (%lld, %lld) must be >= 0 (elements)", static_cast<long long>(p->q_stride_token),
                 static_cast<long long>(p->q_stride_head));
   DSA_CHECK_ARG(isfinite(p->sm_scale), "sparse_mla: sm_scale=%g is not finite", p->sm_scale);
-  if (p->format == DSA_CACHE_BF16) return dsa_sparse_mla::launch_bf16(*p, stream);
+  DSA_CHECK_ARG(p->num_splits >= 0, "sparse_mla: num_splits=%d < 0 (0 = auto, 1 = unsplit)", p->num_splits);
+  if (p->format == DSA_CACHE_BF16) return dsa_sparse_mla::launch_bf16(*p, stream);  // never split
 
   DSA_CHECK_ARG(isfinite(p->kv_scale) && p->kv_scale > 0.f, "sparse_mla: kv_scale=%g must be finite and > 0",
                 p->kv_scale);
@@ -48,5 +141,16 @@ extern "C" int dsa_launch_sparse_mla(const DsaSparseMlaParams* p, cudaStream_t s
   DSA_CHECK_ARG(aligned(p->out, 8), "sparse_mla: out=%p must be 8-byte aligned", p->out);
   DSA_CHECK_ARG(p->num_slots <= INT32_MAX + 1LL, "sparse_mla: num_slots=%lld exceeds the int32 slot range",
                 static_cast<long long>(p->num_slots));
-  return dsa_sparse_mla::launch_fp8(*p, stream);
+  int n_splits = 1;
+  const int status = choose_splits(*p, &n_splits);
+  if (status != DSA_OK) return status;
+  if (n_splits == 1) return dsa_sparse_mla::launch_fp8(*p, stream);
+  // The kernel writes fp32 partials as 16-byte vectors.
+  DSA_CHECK_ARG(aligned(p->workspace, 16), "sparse_mla: workspace=%p must be 16-byte aligned", p->workspace);
+  const int tiles = tiles_of(p->topk);
+  float* part_out = static_cast<float*>(p->workspace);
+  const int64_t part_rows = static_cast<int64_t>(n_splits) * p->num_tokens * p->num_heads;
+  const dsa_sparse_mla::SplitPlan plan{n_splits, (tiles + n_splits - 1) / n_splits, part_out,
+                                       part_out + part_rows * DSA_MLA_V_DIM};
+  return dsa_sparse_mla::launch_fp8_split(*p, plan, stream);
 }

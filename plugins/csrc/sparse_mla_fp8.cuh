@@ -1,8 +1,10 @@
 // DSA-TRT sparse MLA over the 576-byte fp8 pool: the warp-specialised fp8 wgmma kernel (sm_90a).
 //
 // One CTA = one query token x one block of 64 heads (wgmma M = 64; H = 16 / 32 pad the block
-// with zero rows that are never stored). All heads share each gathered latent row (MQA), so a
-// CTA streams the token's k selected rows in tiles of 64 and runs, per tile:
+// with zero rows that are never stored) x one chunk of the token's tiles (kSplit: split-KV for
+// small T, the fp32 partial out + lse go to the workspace and sparse_mla_fp8_split.cu combines
+// them; otherwise the one chunk is the whole list). All heads share each gathered latent row
+// (MQA), so a CTA streams its chunk of the k selected rows in tiles of 64 and runs, per tile:
 //
 //   S[64 h, 64 keys] = q8 . k8^T over 576 dims   fp8 x fp8 wgmma, fp32 accumulate
 //   online softmax (log2 domain, per-head scale folded in)
@@ -11,8 +13,10 @@
 // Because the pool holds all 576 dims as e4m3 with ONE per-layer scale, the gathered rows are
 // used by the tensor cores as they are: no dequantisation at all. q is quantised per (token,
 // head) to e4m3 with scale amax/448; kv_scale * q_scale * sm_scale go into the fp32 scores, and
-// kv_scale / l into the output. P is stored as e4m3 after scaling by 2^8 (max 256 < 448), which
-// keeps probabilities down to ~2^-14 of the row max in the normal range; the 2^8 cancels in O / l.
+// kv_scale / l into the output. P = 2^(z - m + 8) is stored as e4m3 (max 256 < 448), which keeps
+// probabilities down to ~2^-13 of the row max in the normal range; the 2^8 cancels in O / l. The
+// running max m is rounded up to an integer, so P under any two maxima differs by a power of two,
+// which e4m3 represents exactly: a split run rounds P as the unsplit run does.
 //
 // Warp roles (384 threads, one CTA per SM, ~225 KB shared memory):
 //   WG0 producer  warps 0-1 gather each tile's 64 rows with 16-byte cp.async (zero-fill for -1
@@ -36,7 +40,11 @@
 #include <cuda_fp8.h>
 #include <math.h>
 
+#include <atomic>
+
+#include "common.cuh"
 #include "dsa_kernels.h"
+#include "sparse_mla.cuh"
 #include "sparse_mla_ptx.cuh"
 
 namespace dsa_sparse_mla {
@@ -101,18 +109,29 @@ __device__ __forceinline__ void load_bf16x4(const __nv_bfloat16* src, float (&v)
   v[3] = __high2float(b);
 }
 
-// Which token / head block / how many tiles this CTA works on. Computed after the register
+// Which token / head block / chunk of tiles this CTA works on. Computed after the register
 // reallocation in each role (values live across setmaxnreg would be spilled).
 struct CtaWork {
   int64_t t;
   int hb;
-  int n_tiles;
+  int split;    // chunk index (0 unsplit)
+  int tile0;    // first tile of the chunk: keys [64 * tile0, 64 * (tile0 + n_tiles)) of the token
+  int n_tiles;  // >= 1
 };
-template <int kHeadBlocks>
-__device__ __forceinline__ CtaWork cta_work(const DsaSparseMlaParams& p) {
-  // consecutive CTAs share a token, so the second head block's gathers are L2 hits
-  return {static_cast<int64_t>(blockIdx.x / kHeadBlocks), static_cast<int>(blockIdx.x % kHeadBlocks),
-          (p.topk + kTileKeys - 1) / kTileKeys};
+template <int kHeadBlocks, bool kSplit>
+__device__ __forceinline__ CtaWork cta_work(const DsaSparseMlaParams& p, const SplitPlan& plan) {
+  // blockIdx.x = (t * n_splits + split) * kHeadBlocks + hb: consecutive CTAs share a token and a
+  // chunk, so the second head block's gathers are L2 hits
+  const int tiles = (p.topk + kTileKeys - 1) / kTileKeys;
+  const int hb = static_cast<int>(blockIdx.x % kHeadBlocks);
+  const int item = static_cast<int>(blockIdx.x / kHeadBlocks);
+  if constexpr (!kSplit) {
+    return {static_cast<int64_t>(item), hb, 0, 0, tiles};
+  } else {
+    const int split = item % plan.n_splits;
+    const int tile0 = split * plan.tiles_per_split;
+    return {static_cast<int64_t>(item / plan.n_splits), hb, split, tile0, min(plan.tiles_per_split, tiles - tile0)};
+  }
 }
 
 // ---------------------------------------------------------------- producer (warpgroup 0)
@@ -179,9 +198,9 @@ __device__ __forceinline__ void transpose_crew(Fp8Smem& sm, int n_tiles, int war
 }
 
 // ---------------------------------------------------------------- consumers (warpgroups 1, 2)
-template <int kRows, int kHeadBlocks>
-__device__ __forceinline__ void consumer(Fp8Smem& sm, const DsaSparseMlaParams& p, int64_t t, int hb, int n_tiles,
-                                         int c) {
+template <int kRows, int kHeadBlocks, bool kSplit>
+__device__ __forceinline__ void consumer(Fp8Smem& sm, const DsaSparseMlaParams& p, const SplitPlan& plan, int64_t t,
+                                         int hb, int n_tiles, int c) {
   const int ctid = threadIdx.x - kWarpgroup * (1 + c);
   const int warp = ctid >> 5, lane = ctid & 31;
   const int g = lane >> 2, qd = lane & 3;
@@ -238,7 +257,7 @@ __device__ __forceinline__ void consumer(Fp8Smem& sm, const DsaSparseMlaParams& 
   for (int i = 0; i < kVHalf / 2; ++i) o[i] = 0.f;
 #pragma unroll
   for (int i = 0; i < 32; ++i) s_acc[i] = 0.f;
-  float m_run[2] = {-INFINITY, -INFINITY};  // running max of the log2-domain scores
+  float m_run[2] = {-INFINITY, -INFINITY};  // running max of the log2-domain scores, rounded up to an integer
   float l_run[2] = {0.f, 0.f};              // this thread's partial of sum 2^(z - m + 8)
   uint32_t pa[2][4];                        // P of the tile, e4m3, wgmma A fragments per 32 keys
 
@@ -296,7 +315,8 @@ __device__ __forceinline__ void consumer(Fp8Smem& sm, const DsaSparseMlaParams& 
     for (int rh = 0; rh < 2; ++rh) {
       mx[rh] = fmaxf(mx[rh], __shfl_xor_sync(0xffffffffu, mx[rh], 1));
       mx[rh] = fmaxf(mx[rh], __shfl_xor_sync(0xffffffffu, mx[rh], 2));
-      const float m_new = fmaxf(m_run[rh], mx[rh] * f[rh]);  // f > 0: -inf stays -inf
+      // f > 0: -inf stays -inf. ceil: P under this max and under any other (a split's) differ by 2^n
+      const float m_new = ceilf(fmaxf(m_run[rh], mx[rh] * f[rh]));
       alpha[rh] = m_run[rh] == -INFINITY ? 0.f : ex2(m_run[rh] - m_new);
       bias[rh] = m_new == -INFINITY ? 0.f : kPOffset - m_new;
       m_run[rh] = m_new;
@@ -372,39 +392,51 @@ __device__ __forceinline__ void consumer(Fp8Smem& sm, const DsaSparseMlaParams& 
     fence_regs(o);
   }
 
-  // ---- epilogue: out = O * kv_scale / l (bf16), lse = ln2 * (m - 8 + log2 l)
-  __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.out);
+  // ---- epilogue: out = O * kv_scale / l, lse = ln2 * (m - 8 + log2 l); bf16 out and lse, or
+  // (kSplit) the chunk's fp32 partials in the workspace
 #pragma unroll
   for (int rh = 0; rh < 2; ++rh) {
     float l = l_run[rh];
     l += __shfl_xor_sync(0xffffffffu, l, 1);
     l += __shfl_xor_sync(0xffffffffu, l, 2);
     if (!row_ok[rh]) continue;
-    const bool empty = l == 0.f;  // no valid slot (a valid key contributes 2^8)
+    const bool empty = l == 0.f;  // no valid slot (a valid key contributes >= 2^7)
     const float scale = empty ? 0.f : p.kv_scale / l;
+    const float lse = empty ? -INFINITY : (m_run[rh] - kPOffset + log2f(l)) * kLn2;
     // re-derived here rather than kept live through the main loop (the consumer is at its register cap)
-    const CtaWork w = cta_work<kHeadBlocks>(p);
+    const CtaWork w = cta_work<kHeadBlocks, kSplit>(p, plan);
     const int64_t row = w.t * p.num_heads + static_cast<int64_t>(w.hb) * kHeadsPerCta + row0 + 8 * rh;
-    __nv_bfloat16* orow = out + row * kVDim + c * kVHalf + 4 * qd;
+    if constexpr (kSplit) {
+      const int64_t part_row = w.split * (p.num_tokens * p.num_heads) + row;
+      float* orow = plan.part_out + part_row * kVDim + c * kVHalf + 4 * qd;
 #pragma unroll
-    for (int jj = 0; jj < kVHalf / 16; ++jj) {
-      // V^T row order: accumulator column block 2jj holds even dims, 2jj+1 odd dims of 16jj..16jj+15
-      const float* a = o + 8 * jj + 2 * rh;
-      const __nv_bfloat162 lo = __floats2bfloat162_rn(a[0] * scale, a[4] * scale);
-      const __nv_bfloat162 hi = __floats2bfloat162_rn(a[1] * scale, a[5] * scale);
-      uint2 packed;
-      packed.x = *reinterpret_cast<const uint32_t*>(&lo);
-      packed.y = *reinterpret_cast<const uint32_t*>(&hi);
-      *reinterpret_cast<uint2*>(orow + 16 * jj) = packed;
+      for (int jj = 0; jj < kVHalf / 16; ++jj) {
+        const float* a = o + 8 * jj + 2 * rh;  // dims 4qd..4qd+3 of 16jj.. are a[0], a[4], a[1], a[5] (below)
+        *reinterpret_cast<float4*>(orow + 16 * jj) = make_float4(a[0] * scale, a[4] * scale, a[1] * scale, a[5] * scale);
+      }
+      if (c == 0 && qd == 0) plan.part_lse[part_row] = lse;
+    } else {
+      __nv_bfloat16* orow = static_cast<__nv_bfloat16*>(p.out) + row * kVDim + c * kVHalf + 4 * qd;
+#pragma unroll
+      for (int jj = 0; jj < kVHalf / 16; ++jj) {
+        // V^T row order: accumulator column block 2jj holds even dims, 2jj+1 odd dims of 16jj..16jj+15
+        const float* a = o + 8 * jj + 2 * rh;
+        const __nv_bfloat162 lo = __floats2bfloat162_rn(a[0] * scale, a[4] * scale);
+        const __nv_bfloat162 hi = __floats2bfloat162_rn(a[1] * scale, a[5] * scale);
+        uint2 packed;
+        packed.x = *reinterpret_cast<const uint32_t*>(&lo);
+        packed.y = *reinterpret_cast<const uint32_t*>(&hi);
+        *reinterpret_cast<uint2*>(orow + 16 * jj) = packed;
+      }
+      if (c == 0 && qd == 0 && p.lse != nullptr) p.lse[row] = lse;
     }
-    if (c == 0 && qd == 0 && p.lse != nullptr)
-      p.lse[row] = empty ? -INFINITY : (m_run[rh] - kPOffset + log2f(l)) * kLn2;
   }
 }
 
-// kRows: real heads in the 64-row block (16, 32, 64); kHeadBlocks: 64-head blocks per token (1, 2).
-template <int kRows, int kHeadBlocks>
-__global__ void __launch_bounds__(kThreads, 1) sparse_mla_fp8_kernel(const DsaSparseMlaParams p) {
+// kRows: real heads in the 64-row block (16, 32, 64); kHeadBlocks: 64-head blocks per token (1, 2);
+// kSplit: one chunk of plan.tiles_per_split tiles per CTA, fp32 partials to the workspace.
+template <int kRows, int kHeadBlocks, bool kSplit>
+__global__ void __launch_bounds__(kThreads, 1) sparse_mla_fp8_kernel(const DsaSparseMlaParams p, const SplitPlan plan) {
   extern __shared__ __align__(128) uint8_t smem_raw[];
   // the swizzle pattern is a function of the shared-memory address: align the K tiles to 1024
   Fp8Smem& sm = *reinterpret_cast<Fp8Smem*>(smem_raw + ((kSmemAlign - (smem_u32(smem_raw) & (kSmemAlign - 1))) &
@@ -422,15 +454,18 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_fp8_kernel(const DsaSp
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
-  {  // the token's slots, padded with -1 to whole tiles; out-of-range slots are skipped too
-    const CtaWork w = cta_work<kHeadBlocks>(p);
-    const int32_t* slots_row = p.slots + w.t * p.topk;
+  {  // the chunk's slots (sm.slots[i] = key tile0 * 64 + i of the token), padded with -1 to whole
+     // tiles; out-of-range slots are skipped too
+    const CtaWork w = cta_work<kHeadBlocks, kSplit>(p, plan);
+    const int key0 = w.tile0 * kTileKeys;
+    const int n_keys = kSplit ? min(p.topk - key0, w.n_tiles * kTileKeys) : p.topk;
+    const int32_t* slots_row = p.slots + w.t * p.topk + key0;
     constexpr int kPerThread = kMaxTopk / kThreads + 1;
     int32_t v[kPerThread];
 #pragma unroll
     for (int r = 0; r < kPerThread; ++r) {  // all loads first: one memory latency, not kPerThread
       const int i = threadIdx.x + r * kThreads;
-      v[r] = i < p.topk ? __ldg(slots_row + i) : -1;
+      v[r] = i < n_keys ? __ldg(slots_row + i) : -1;
     }
 #pragma unroll
     for (int r = 0; r < kPerThread; ++r) {
@@ -441,7 +476,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_fp8_kernel(const DsaSp
   __syncthreads();
   if (threadIdx.x < kWarpgroup) {
     setmaxnreg_dec<kProducerRegs>();
-    const CtaWork w = cta_work<kHeadBlocks>(p);
+    const CtaWork w = cta_work<kHeadBlocks, kSplit>(p, plan);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     if (warp < kGatherWarps)
       gather_crew(sm, static_cast<const uint8_t*>(p.pool), w.n_tiles, warp, lane);
@@ -449,9 +484,46 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_fp8_kernel(const DsaSp
       transpose_crew(sm, w.n_tiles, warp - kGatherWarps, lane);
   } else {
     setmaxnreg_inc<kConsumerRegs>();
-    const CtaWork w = cta_work<kHeadBlocks>(p);
-    consumer<kRows, kHeadBlocks>(sm, p, w.t, w.hb, w.n_tiles, threadIdx.x / kWarpgroup - 1);
+    const CtaWork w = cta_work<kHeadBlocks, kSplit>(p, plan);
+    consumer<kRows, kHeadBlocks, kSplit>(sm, p, plan, w.t, w.hb, w.n_tiles, threadIdx.x / kWarpgroup - 1);
   }
+}
+
+// ---------------------------------------------------------------- host: one launch of the kernel
+constexpr size_t kSmemBytes = sizeof(Fp8Smem) + kSmemAlign;  // + room to align the base to 1024
+
+// cudaFuncSetAttribute is per device; remember which devices were configured per instantiation.
+template <int kRows, int kHeadBlocks, bool kSplit>
+int ensure_smem_attribute() {
+  static std::atomic<uint64_t> configured{0};
+  int dev = 0;
+  DSA_CUDA_CHECK(cudaGetDevice(&dev));
+  const uint64_t bit = dev < 64 ? (uint64_t{1} << dev) : 0;
+  if (bit != 0 && (configured.load(std::memory_order_relaxed) & bit)) return DSA_OK;
+  int max_optin = 0;
+  DSA_CUDA_CHECK(cudaDeviceGetAttribute(&max_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+  DSA_CHECK_SUPPORTED(static_cast<size_t>(max_optin) >= kSmemBytes,
+                      "sparse_mla: the fp8 kernel needs %zu bytes of shared memory per block, device %d allows %d "
+                      "(sm_90 required)",
+                      kSmemBytes, dev, max_optin);
+  DSA_CUDA_CHECK(cudaFuncSetAttribute(sparse_mla_fp8_kernel<kRows, kHeadBlocks, kSplit>,
+                                      cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmemBytes)));
+  configured.fetch_or(bit, std::memory_order_relaxed);
+  return DSA_OK;
+}
+
+// One CTA per (token, head block[, chunk]): blocks = num_tokens * kHeadBlocks * n_splits.
+template <int kRows, int kHeadBlocks, bool kSplit>
+int launch_kernel(const DsaSparseMlaParams& p, const SplitPlan& plan, cudaStream_t stream) {
+  const int status = ensure_smem_attribute<kRows, kHeadBlocks, kSplit>();
+  if (status != DSA_OK) return status;
+  const int64_t blocks = p.num_tokens * kHeadBlocks * (kSplit ? plan.n_splits : 1);
+  DSA_CHECK_ARG(blocks <= INT32_MAX, "sparse_mla: num_tokens=%lld gives %lld blocks (> 2^31 - 1)",
+                static_cast<long long>(p.num_tokens), static_cast<long long>(blocks));
+  sparse_mla_fp8_kernel<kRows, kHeadBlocks, kSplit>
+      <<<static_cast<unsigned>(blocks), kThreads, kSmemBytes, stream>>>(p, plan);
+  DSA_CUDA_CHECK_LAUNCH();
+  return DSA_OK;
 }
 
 }  // namespace dsa_sparse_mla

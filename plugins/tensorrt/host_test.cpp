@@ -52,6 +52,12 @@ size_t dsa_topk_translate_workspace_size(int64_t rows, int64_t max_len, int k)
     launches().wsRows = rows, launches().wsMaxLen = max_len, launches().wsK = k;
     return static_cast<size_t>(1000 + rows * max_len);
 }
+size_t dsa_sparse_mla_workspace_size(int64_t num_tokens, int num_heads, int topk, int format)
+{
+    launches().wsTokens = num_tokens, launches().wsHeads = num_heads, launches().wsTopk = topk;
+    launches().wsFormat = format;
+    return static_cast<size_t>(2000 + num_tokens * num_heads);
+}
 const char* dsa_last_error_message(void) { return "stub launcher failure"; }
 }
 

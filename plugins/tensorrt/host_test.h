@@ -183,6 +183,7 @@ struct LaunchLog
     DsaTopkTranslateParams topk{};
     DsaSparseMlaParams sparse{};
     int64_t wsRows = 0, wsMaxLen = 0, wsK = 0;
+    int64_t wsTokens = 0, wsHeads = 0, wsTopk = 0, wsFormat = -1; // dsa_sparse_mla_workspace_size
 };
 LaunchLog& launches();
 CaptureLogger& logger();

@@ -1,5 +1,5 @@
 // host_test cases: every plugin in each cache format (and the INT32 pool carrier), the library's
-// registration entry points, the top-k workspace size, and main(). Exit status = failures.
+// registration entry points, the top-k and sparse-MLA workspace sizes, and main(). Exit status = failures.
 #include "host_test.h"
 #include "plugin_common.h"
 
@@ -85,7 +85,7 @@ std::vector<Case> cases()
                 EXPECT(L.sparse.num_tokens == T && L.sparse.num_heads == HM && L.sparse.topk == K);
                 EXPECT(L.sparse.q_stride_token == HM * 576 && L.sparse.q_stride_head == 576);
                 EXPECT(L.sparse.num_slots == P * 64 && L.sparse.kv_scale == 0.25F && L.sparse.sm_scale == 0.125F);
-                EXPECT(L.sparse.format == fmt);
+                EXPECT(L.sparse.format == fmt && L.sparse.num_splits == 0 && L.sparse.workspace != nullptr);
             },
             [](std::vector<nv::PluginTensorDesc>& in) { in[2].dims.d[1] = K - 1; }, "slots dim 1 must be 8"});
     }
@@ -164,6 +164,20 @@ int main()
     EXPECT(build->getWorkspaceSize(io, 4, io + 4, 1) == 1000 + 7 * 512);
     EXPECT(launches().wsRows == 7 && launches().wsMaxLen == 512 && launches().wsK == K);
     delete topk;
+    for (int fmt : {DSA_CACHE_FP8, DSA_CACHE_BF16}) // split-KV partials: sized for the profile's max T
+    {
+        std::string const label = fmt == DSA_CACHE_FP8 ? "DsaSparseMla fp8" : "DsaSparseMla bf16";
+        Case const& mlaCase = *std::find_if(all.begin(), all.end(), [&](Case const& c) { return c.label == label; });
+        nv::IPluginV3* mla = create(mlaCase, true);
+        auto* mlaBuild
+            = static_cast<nv::IPluginV3OneBuild*>(mla->getCapabilityInterface(nv::PluginCapabilityType::kBUILD));
+        nv::DynamicPluginTensorDesc mlaIo[5]{};
+        mlaIo[0].max = dims({9, HM, 576});
+        EXPECT(mlaBuild->getWorkspaceSize(mlaIo, 3, mlaIo + 3, 2) == 2000 + 9 * HM);
+        EXPECT(launches().wsTokens == 9 && launches().wsHeads == HM && launches().wsTopk == K);
+        EXPECT(launches().wsFormat == fmt);
+        delete mla;
+    }
     std::printf("%s: %d checks, %d failure(s)\n", gFailures == 0 ? "host_test OK" : "host_test FAILED", gChecks,
         gFailures);
     return gFailures == 0 ? 0 : 1;

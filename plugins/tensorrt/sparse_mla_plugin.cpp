@@ -97,8 +97,15 @@ public:
         expectDim(in[kSlots].dims, 1, mTopk, "slots");
     }
 
+    // Split-KV partials of the fp8 kernel at small T; sized for the profile's largest T, which
+    // covers every smaller one (dsa_kernels.h). 0 in bf16 mode.
+    size_t workspaceBytes(nv::DynamicPluginTensorDesc const* in) const
+    {
+        return dsa_sparse_mla_workspace_size(in[kQ].max.d[0], mNumHeads, mTopk, mCacheFormat);
+    }
+
     int launch(nv::PluginTensorDesc const* inDesc, nv::PluginTensorDesc const* /*outDesc*/,
-        void const* const* inputs, void* const* outputs, void* /*workspace*/, cudaStream_t stream) const
+        void const* const* inputs, void* const* outputs, void* workspace, cudaStream_t stream) const
     {
         DsaSparseMlaParams p{};
         p.q = inputs[kQ];
@@ -115,6 +122,8 @@ public:
         p.kv_scale = mKvScale;
         p.sm_scale = mSmScale;
         p.format = mCacheFormat;
+        p.num_splits = 0; // auto: split the top-k list across CTAs when T is small
+        p.workspace = workspace;
         if (p.num_tokens == 0)
             return DSA_OK; // empty output: nothing to write
         return dsa_launch_sparse_mla(&p, stream);
