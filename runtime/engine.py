@@ -85,7 +85,10 @@ def _load_aoti(path: Path, device: torch.device) -> Program:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
-            return torch._inductor.aoti_load_package(str(path), device_index=device_index)
+            # single-threaded runner: the default one waits on CUDA events to pick a free model
+            # instance, which is illegal while a decode step is captured into a CUDA graph
+            return torch._inductor.aoti_load_package(str(path), device_index=device_index,
+                                                     run_single_threaded=device.type == "cuda")
         except Exception as e:  # noqa: BLE001 - a corrupt or foreign package: say which file
             raise EngineDirError(f"{path}: cannot load this AOTInductor package ({type(e).__name__}: {e}); "
                                  "it may come from another torch version or device: rebuild it") from e

@@ -1,5 +1,6 @@
-"""GPU reference path for tests/test_gpu_engine.py, run in its own process with DSA_KERNELS=reference:
-the eager network on CUDA with the plain-torch operators, driven by the same runtime.
+"""GPU reference path for tests/test_gpu_engine.py, run in its own process: the eager network on CUDA
+driven by the same runtime, with our CUDA kernels (DSA_KERNELS=cuda) or the plain-torch operators
+(DSA_KERNELS=reference).
 
     DSA_KERNELS=reference python tests/gpu_reference_generate.py CKPT ENGINE_DIR MAX_TOKENS OUT.json PROMPT...
 """
@@ -12,6 +13,7 @@ import torch
 from dsa_trt.engine_config import EngineConfig
 from dsa_trt.export.checkpoint import Checkpoint
 from dsa_trt.export.program import build_network
+from dsa_trt.plugins import cuda_ops
 from dsa_trt.runtime.engine import eager_engine
 from dsa_trt.runtime.llm import LLM
 from dsa_trt.runtime.sampling import SamplingParams
@@ -19,6 +21,7 @@ from dsa_trt.runtime.sampling import SamplingParams
 
 def main() -> None:
     ckpt_dir, engine_dir, max_tokens, out, *prompts = sys.argv[1:]
+    cuda_ops.load()  # DSA_KERNELS=cuda: our kernels serve the ops; =reference: the plain-torch ones
     cfg = EngineConfig.load(engine_dir)
     ckpt = Checkpoint(ckpt_dir)
     dtype = getattr(torch, cfg.dtype)
