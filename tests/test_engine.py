@@ -62,6 +62,16 @@ def test_compiled_engine_equals_eager_network(request, tiny_ckpt, which):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=f"{which}: cache contents differ")
 
 
+def test_teacher_forced_greedy_compiled_vs_eager(fp8_engine, tiny_ckpt):
+    """The GPU check of tests/test_gpu_engine.py (compiled engine vs eager network, teacher-forced
+    greedy tokens within measured noise) on the CPU fp8 engine, so its logic runs in CI too."""
+    from engine_checks import teacher_forced_greedy
+
+    steps, agree, near_ties, worst_rel = teacher_forced_greedy(fp8_engine, tiny_ckpt, "cpu", torch.float32,
+                                                               steps_per_prompt=6)
+    assert steps == 3 * 7 and agree + near_ties == steps and worst_rel < 3e-2
+
+
 def test_greedy_generation_equals_hf(exact_engine, hf_oracle):
     """A batch of prompts of different lengths (dense and sparse prefill, then decode through the
     paged caches with continuous batching): identical greedy tokens to HF for 32 steps."""
