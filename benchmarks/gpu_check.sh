@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# One H200 run of everything GPU-side (device time is scarce: one call, logs under LOG_DIR):
+# the kernel library, every GPU test, the kernel benchmarks, a CUDA engine of the tiny checkpoint,
+# its tests and the eager-vs-CUDA-graph step benchmark.
+#
+#   benchmarks/gpu_check.sh LOG_DIR CHECKPOINT [KV_CALIBRATION_JSON]
+#
+# Run from the repository root with the machine's python3 (torch + CUDA). Without ModelOpt there,
+# pass the quant/fp8-kv-per-layer.json of a CPU build of the same checkpoint. ENGINE_DIR (default
+# /tmp/dsa_gpu_engine) is reused when it already holds an engine; STAGES (default "kernels tests
+# bench engine") picks stages.
+set -uo pipefail
+LOG=${1:?LOG_DIR}; CKPT=${2:?CHECKPOINT}; CAL=${3:-}
+ENGINE=${ENGINE_DIR:-/tmp/dsa_gpu_engine}
+STAGES=${STAGES:-kernels tests bench engine}
+export PYTHONUNBUFFERED=1 DSA_TEST_CHECKPOINT=$CKPT
+mkdir -p "$LOG"
+python3 -m pip install -q --no-deps --no-build-isolation -e . > "$LOG/pip.log" 2>&1
+make kernels NVCC=nvcc -j"$(nproc)" > "$LOG/kernels.log" 2>&1 || { echo "make kernels failed (see kernels.log)"; exit 1; }
+has() { [[ " $STAGES " == *" $1 "* ]]; }
+if has tests; then
+  timeout 900 python3 -m pytest -q -ra tests/test_kernels_*.py > "$LOG/kernel_tests.log" 2>&1
+  echo "kernel tests: $(tail -1 "$LOG/kernel_tests.log")"
+fi
+if has bench; then
+  timeout 900 python3 benchmarks/bench_kernels.py --iters 15 > "$LOG/bench_kernels.log" 2>&1
+  echo "kernel benchmarks: rc=$? ($(grep -c '^|' "$LOG/bench_kernels.log") table rows)"
+fi
+if has engine; then
+  if [[ ! -f $ENGINE/engine_config.json ]]; then
+    python3 -m dsa_trt.builder.build --checkpoint "$CKPT" --out "$ENGINE" --cache fp8 \
+      ${CAL:+--kv-calibration "$CAL"} > "$LOG/engine_build.log" 2>&1 || { echo "engine build failed"; tail -5 "$LOG/engine_build.log"; exit 1; }
+  fi
+  DSA_TEST_GPU_ENGINE=$ENGINE timeout 600 python3 -m pytest -q -ra -s tests/test_gpu_engine.py > "$LOG/engine_tests.log" 2>&1
+  echo "engine tests: $(tail -1 "$LOG/engine_tests.log")"; grep '^\[gpu\]' "$LOG/engine_tests.log"
+  (cd benchmarks && timeout 300 python3 bench_engine.py "$ENGINE") > "$LOG/bench_engine.log" 2>&1
+  cat "$LOG/bench_engine.log" | grep '^|'
+fi
