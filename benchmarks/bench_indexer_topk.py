@@ -12,8 +12,12 @@ FLOPs and bytes like the peer it is compared with (perf_anchors.md §2):
 * prefill logits (DeepGEMM fp8_mqa_logits, CP=0 causal tail): FLOPs = 2*sum(ke-ks)*H*D; bytes =
   q_fp8 + kv_fp8 + kv_scale + weights + ks + ke + sum(ke-ks)*4.
 * top-k (FlashInfer transform): bytes = scores read once + slots written; no FLOPs.
+* fused logits + top-k (indexer_topk): the paged decode logits' FLOPs and bytes with the [B, S]
+  logits write replaced by the slots written (B*k*4): no logits touch memory on the fused path.
+  Each fused row also times the logits kernel alone on the same inputs (the ratio's denominator),
+  and the fused and unfused (two-kernel) paths forced, to calibrate the dispatch in indexer_topk.cu.
 
-Usage: python benchmarks/bench_indexer_topk.py [--iters 20] [--md out.md]
+Usage: python benchmarks/bench_indexer_topk.py [--iters 20] [--md out.md] [--only fused]
 """
 
 from __future__ import annotations
@@ -52,6 +56,13 @@ def count_topk(rows: int, width: int) -> tuple[float, float]:
     return 0.0, rows * width * 4 + rows * TOPK * 4
 
 
+def count_fused(batch: int, ctx: int) -> tuple[float, float]:
+    sum_len = batch * ctx
+    flops = 2.0 * sum_len * H * D
+    nbytes = batch * H * D * 2 + batch * H * 4 + sum_len * (D + 4) + batch * TOPK * 4
+    return flops, nbytes
+
+
 # ---------------------------------------------------------------- inputs
 def random_index_pool(num_pages: int, g: torch.Generator) -> torch.Tensor:
     """Random e4m3 keys (no NaN codes) and positive power-of-two scales."""
@@ -75,14 +86,19 @@ def logits_inputs(pool_pages: int, batch: int, ctx_pages: int, seq_lens: torch.T
     return q, w, page_table.to(torch.int32).contiguous(), req_idx, seq_lens.to(torch.int32)
 
 
-def row(shape: str, us: float | None, flops: float, nbytes: float, peer: str, note: str = "") -> str:
-    if us is None:
-        return f"| {shape} | {note} | | | | {peer} |"
+def roof_cells(us: float, flops: float, nbytes: float) -> str:
+    """`µs | TFLOP/s | TB/s | % of roofline` for a measured time."""
     tflops = flops / us / 1e6
     tbps = nbytes / us / 1e6
     floor_us = max(nbytes / (COPY_TBPS * 1e6), flops / (FP8_TFLOPS * 1e6))
     tf = f"{tflops:.1f}" if flops else "—"
-    return f"| {shape} | {us:.1f} | {tf} | {tbps:.2f} | {100 * floor_us / us:.0f}% | {peer} |"
+    return f"{us:.1f} | {tf} | {tbps:.2f} | {100 * floor_us / us:.0f}%"
+
+
+def row(shape: str, us: float | None, flops: float, nbytes: float, peer: str, note: str = "") -> str:
+    if us is None:
+        return f"| {shape} | {note} | | | | {peer} |"
+    return f"| {shape} | {roof_cells(us, flops, nbytes)} | {peer} |"
 
 
 def run_case(fn, flush, iters):
@@ -99,15 +115,32 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--md", default=None)
+    ap.add_argument("--only", choices=("fused",), default=None, help="run only the fused logits + top-k rows")
     args = ap.parse_args()
     assert K.library() is not None, K.library_error()
     g = torch.Generator(device="cuda").manual_seed(0)
     flush = torch.empty(64 * 2**20, dtype=torch.int32, device="cuda")
     lines = ["| case | µs | TFLOP/s | TB/s | % of roofline | peer µs (H200) |", "|---|---:|---:|---:|---:|---|"]
 
-    # ---- paged decode logits
     pool_pages = 128 * 2048 + 64
     pool = random_index_pool(pool_pages, g)
+    if args.only is None:
+        logits_rows(pool, pool_pages, g, flush, args, lines)
+    fused_lines = fused_rows(pool, pool_pages, g, flush, args)
+    del pool
+    torch.cuda.empty_cache()
+    if args.only is None:
+        topk_rows(g, flush, args, lines)
+
+    table = "\n".join(lines) + "\n\n" + "\n".join(fused_lines) if args.only is None else "\n".join(fused_lines)
+    print("\n" + table)
+    if args.md:
+        with open(args.md, "w") as f:
+            f.write(table + "\n")
+
+
+def logits_rows(pool, pool_pages, g, flush, args, lines) -> None:
+    # ---- paged decode logits
     peers = {(1, 32): "5.26 DeepGEMM", (32, 32): "45.2 DeepGEMM", (128, 32): "147.3 DeepGEMM",
              (1, 128): "9.70 DeepGEMM", (32, 128): "147.5 DeepGEMM", (128, 128): "555.9 DeepGEMM"}
     for ctx_k in (32, 128):
@@ -130,9 +163,43 @@ def main() -> None:
     flops, nbytes = count_prefill_logits(s, skv)
     lines.append(row(f"logits prefill S={s} SKV=32K H=64", us, flops, nbytes, "1817 DeepGEMM (non-paged)", note))
     print(lines[-1], flush=True)
-    del out, pool
-    torch.cuda.empty_cache()
 
+
+def fused_rows(pool, pool_pages, g, flush, args) -> list[str]:
+    """Fused logits + top-k + translation (decode) against the logits kernel alone on the same inputs."""
+    lines = ["| case | fused µs | TFLOP/s | TB/s | % of roofline | logits-only µs | fused / logits "
+             "| forced fused µs | unfused µs | plan (auto) |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for batch, ctx_k in ((1, 128), (32, 128), (128, 128), (32, 32)):
+        ctx = ctx_k * 1024
+        seq = torch.full((batch,), ctx, device="cuda")
+        q, w, pt, ri, seq = logits_inputs(pool_pages, batch, ctx // 64, seq, g)
+        logits_out = torch.empty(batch, ctx, device="cuda")
+        logits_us, _ = run_case(lambda: K.indexer_logits(q, w, pool, pt, ri, seq, out=logits_out), flush, args.iters)
+        logits_out = None  # free it before the fused and unfused runs
+        try:
+            plan = K.indexer_topk_plan(q, w, pool, pt, ri, seq, TOPK)
+        except (RuntimeError, ValueError) as e:
+            plan = f"UNSUPPORTED ({str(e)[:80]})"
+        us, note = run_case(lambda: K.indexer_topk(q, w, pool, pt, ri, seq, TOPK), flush, args.iters)
+        forced = {}
+        for path in ("fused", "unfused"):
+            t, n = run_case(lambda: K.indexer_topk(q, w, pool, pt, ri, seq, TOPK, path=path), flush, args.iters)
+            forced[path] = f"{t:.1f}" if t is not None else n
+        flops, nbytes = count_fused(batch, ctx)
+        shape = f"fused logits+topk B={batch} ctx={ctx_k}K H=64 k=2048"
+        if us is None:
+            lines.append(f"| {shape} | {note} | | | | | | | | {plan} |")
+        else:
+            ratio = f"{us / logits_us:.3f}" if logits_us else "—"
+            logits_txt = f"{logits_us:.1f}" if logits_us else "—"
+            lines.append(f"| {shape} | {roof_cells(us, flops, nbytes)} | {logits_txt} | {ratio} | {forced['fused']} "
+                         f"| {forced['unfused']} | {plan} |")
+        print(lines[-1], flush=True)
+        torch.cuda.empty_cache()
+    return lines
+
+
+def topk_rows(g, flush, args, lines) -> None:
     # ---- top-k + translation
     topk_cases = [(1, 32, "randn", "13.9 FlashInfer"), (64, 32, "randn", "23.9 FlashInfer"),
                   (128, 32, "randn", "24.6 FlashInfer"), (1, 128, "randn", "16.6 FlashInfer"),
@@ -153,12 +220,6 @@ def main() -> None:
         flops, nbytes = count_topk(rows, width)
         lines.append(row(f"topk+translate {rows}x{width_k}K k=2048 {kind}", us, flops, nbytes, peer, note))
         print(lines[-1], flush=True)
-
-    table = "\n".join(lines)
-    print("\n" + table)
-    if args.md:
-        with open(args.md, "w") as f:
-            f.write(table + "\n")
 
 
 if __name__ == "__main__":

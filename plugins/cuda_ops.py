@@ -108,6 +108,31 @@ class TopkTranslateParams(ctypes.Structure):
     ]
 
 
+class IndexerTopkParams(ctypes.Structure):
+    _fields_ = [
+        ("q", c_void_p),
+        ("weights", c_void_p),
+        ("pool", c_void_p),
+        ("page_table", c_void_p),
+        ("req_idx", c_void_p),
+        ("seq_lens", c_void_p),
+        ("slots", c_void_p),
+        ("indices", c_void_p),
+        ("num_tokens", c_int64),
+        ("num_heads", c_int),
+        ("max_pages", c_int),
+        ("k", c_int),
+        ("format", c_int),
+        ("path", c_int),
+        ("cluster_size", c_int),
+        ("warpgroups", c_int),
+        ("workspace", c_void_p),
+    ]
+
+
+INDEXER_TOPK_PATHS = {"auto": 0, "fused": 1, "unfused": 2}  # DsaIndexerTopkPath
+
+
 class SparseMlaParams(ctypes.Structure):
     _fields_ = [
         ("q", c_void_p),
@@ -134,6 +159,7 @@ LAUNCHERS = {  # op -> (C symbol, params struct)
     "indexer_k_cache_write": ("dsa_launch_indexer_k_cache_write", IndexerKCacheWriteParams),
     "indexer_logits": ("dsa_launch_indexer_logits", IndexerLogitsParams),
     "topk_translate": ("dsa_launch_topk_translate", TopkTranslateParams),
+    "indexer_topk": ("dsa_launch_indexer_topk", IndexerTopkParams),
     "sparse_mla": ("dsa_launch_sparse_mla", SparseMlaParams),
 }
 
@@ -160,6 +186,16 @@ class KernelLibrary:
             ws.restype = c_size_t
             ws.argtypes = [c_int64, c_int64, c_int]
         self.topk_workspace_size = ws
+        ws = getattr(self._dll, "dsa_indexer_topk_workspace_size", None)
+        if ws is not None:
+            ws.restype = c_size_t
+            ws.argtypes = [c_int64, c_int, c_int, c_int, c_int, c_int]
+        self.indexer_topk_workspace_size = ws
+        describe = getattr(self._dll, "dsa_indexer_topk_describe", None)
+        if describe is not None:
+            describe.restype = c_int
+            describe.argtypes = [POINTER(IndexerTopkParams), ctypes.c_char_p, c_size_t]
+        self.indexer_topk_describe = describe
         ws = getattr(self._dll, "dsa_sparse_mla_workspace_size", None)
         if ws is not None:
             ws.restype = c_size_t
@@ -441,6 +477,106 @@ def _mla_splits(num_splits: int | None) -> int:
     if not (isinstance(num_splits, int) and 0 <= num_splits <= INT32_MAX):
         _fail("sparse_mla", f"num_splits={num_splits!r} must be an int >= 0 (0 = auto, 1 = unsplit, n = n chunks)")
     return num_splits
+
+
+def _indexer_topk_params(q, weights, pool, page_table, req_idx, seq_lens, k, slots, indices, path, cluster_size,
+                         warpgroups):
+    """Validated IndexerTopkParams (workspace unset), or None where no CUDA kernel serves the dtypes."""
+    op = "indexer_topk"
+    fmt = _mla_pool_format(pool)
+    q_dtype = {CACHE_FP8: torch.float8_e4m3fn, CACHE_BF16: torch.bfloat16}.get(fmt)
+    if fmt is None or q.dtype != q_dtype:
+        return None
+    if path not in INDEXER_TOPK_PATHS:
+        _fail(op, f"path={path!r} not in {tuple(INDEXER_TOPK_PATHS)}")
+    if not (isinstance(k, int) and 1 <= k <= INT32_MAX):
+        _fail(op, f"k={k} must be an int in [1, 2^31)")
+    dev = pool.device
+    if fmt == CACHE_FP8:
+        _check_tensor(op, "pool", pool, dtypes=(torch.uint8,), ndim=2, device=dev, shape=(None, INDEX_PAGE_BYTES),
+                      contiguous=True)
+    else:
+        _check_tensor(op, "pool", pool, dtypes=(torch.bfloat16,), ndim=3, device=dev,
+                      shape=(None, PAGE_SIZE, INDEX_DIM), contiguous=True)
+    _check_tensor(op, "q", q, dtypes=(q_dtype,), ndim=3, device=dev, shape=(None, None, INDEX_DIM), contiguous=True)
+    num_tokens, heads = q.shape[0], q.shape[1]
+    if heads not in (32, 64):
+        _fail(op, f"num_heads={heads} unsupported (32, 64)")
+    _check_tensor(op, "weights", weights, dtypes=(torch.float32,), ndim=2, device=dev, shape=(num_tokens, heads),
+                  contiguous=True)
+    _check_tensor(op, "page_table", page_table, dtypes=(torch.int32,), ndim=2, device=dev, contiguous=True)
+    max_pages = page_table.shape[1]
+    if max_pages * PAGE_SIZE > INT32_MAX:
+        _fail(op, f"max_pages={max_pages}: max_pages*64 overflows int32")
+    _check_tensor(op, "req_idx", req_idx, dtypes=(torch.int32,), ndim=1, device=dev, shape=(num_tokens,),
+                  contiguous=True)
+    _check_tensor(op, "seq_lens", seq_lens, dtypes=(torch.int32,), ndim=1, device=dev, shape=(num_tokens,),
+                  contiguous=True)
+    _check_tensor(op, "slots", slots, dtypes=(torch.int32,), ndim=2, device=dev, shape=(num_tokens, k),
+                  contiguous=True)
+    if indices is not None:
+        _check_tensor(op, "indices", indices, dtypes=(torch.int32,), ndim=2, device=dev, shape=(num_tokens, k),
+                      contiguous=True)
+    return IndexerTopkParams(
+        _ptr(q), _ptr(weights), _ptr(pool), _ptr(page_table), _ptr(req_idx), _ptr(seq_lens), _ptr(slots),
+        _ptr(indices), num_tokens, heads, max_pages, k, fmt, INDEXER_TOPK_PATHS[path], int(cluster_size),
+        int(warpgroups), None,
+    )
+
+
+def indexer_topk(q, weights, pool, page_table, req_idx, seq_lens, k: int, *, indices: bool = False,
+                 path: str = "auto", cluster_size: int = 0, warpgroups: int = 0):
+    """slots [T, k] int32 (and raw indices [T, k] when indices=True): the same selection as
+    topk_translate(indexer_logits(q, weights, pool, page_table, req_idx, seq_lens), seq_lens,
+    page_table, req_idx, k) as a set per row, without the [T, S] logits in memory on the fused path.
+
+    path: "auto" (the launcher's cost estimate), "fused" or "unfused" (the two kernels through a
+    workspace); cluster_size / warpgroups (0 = auto) force the fused shape (tests, tuning)."""
+    op = "indexer_topk"
+    dev = pool.device
+    num_tokens = q.shape[0] if isinstance(q, torch.Tensor) else 0
+    slots = torch.empty((num_tokens, k), dtype=torch.int32, device=dev) if isinstance(k, int) and k > 0 else None
+    idx = torch.empty_like(slots) if (indices and slots is not None) else None
+    p = _indexer_topk_params(q, weights, pool, page_table, req_idx, seq_lens, k, slots, idx, path, cluster_size,
+                             warpgroups)
+    if p is None:
+        _fallback(op, f"pool {pool.dtype}, q {q.dtype}")
+        logits = ref.indexer_logits(q, weights, pool, page_table, req_idx, seq_lens)
+        s, i = ref.topk_translate(logits, seq_lens, page_table, req_idx, k)
+        return (s, i) if indices else s
+    if num_tokens > 0:
+        lib = _require_lib()
+        if lib.indexer_topk_workspace_size is None:
+            raise RuntimeError(f"dsa::{op}: {lib.path} lacks dsa_indexer_topk_workspace_size (rebuild: `make kernels`)")
+        ws_bytes = lib.indexer_topk_workspace_size(num_tokens, p.num_heads, p.max_pages, k, p.format, p.path)
+        workspace = torch.empty(ws_bytes, dtype=torch.uint8, device=dev) if ws_bytes else None
+        p.workspace = _ptr(workspace)
+        with torch.cuda.device(dev):
+            lib.launch(op, p, dev)
+    return (slots, idx) if indices else slots
+
+
+def indexer_topk_plan(q, weights, pool, page_table, req_idx, seq_lens, k: int, *, path: str = "auto",
+                      cluster_size: int = 0, warpgroups: int = 0) -> str:
+    """What indexer_topk(...) with these arguments runs (fused cluster shapes or unfused, estimates)."""
+    op = "indexer_topk"
+    dev = pool.device
+    slots = torch.empty((q.shape[0], k), dtype=torch.int32, device=dev)
+    p = _indexer_topk_params(q, weights, pool, page_table, req_idx, seq_lens, k, slots, None, path, cluster_size,
+                             warpgroups)
+    if p is None:
+        return f"reference (pool {pool.dtype}, q {q.dtype})"
+    lib = _require_lib()
+    if lib.indexer_topk_describe is None or lib.indexer_topk_workspace_size is None:
+        raise RuntimeError(f"dsa::{op}: {lib.path} exports no dsa_indexer_topk_describe (rebuild with `make kernels`)")
+    ws_bytes = lib.indexer_topk_workspace_size(q.shape[0], p.num_heads, p.max_pages, k, p.format, p.path)
+    p.workspace = c_void_p(256 if ws_bytes else None)  # only NULL-ness matters to the plan
+    buf = ctypes.create_string_buffer(512)
+    with torch.cuda.device(dev):
+        status = lib.indexer_topk_describe(ctypes.byref(p), buf, len(buf))
+    if status != 0:
+        raise RuntimeError(f"dsa::{op}: kernel library returned {status}: {lib.last_error()}")
+    return buf.value.decode()
 
 
 def sparse_mla(q, pool, slots, kv_scale: float, sm_scale: float, *, num_splits: int | None = None):

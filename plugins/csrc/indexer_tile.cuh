@@ -1,0 +1,237 @@
+// DSA-TRT kernels: the QGMMA scoring of one 64-key page of the fp8 indexer pool against one
+// query token, shared by indexer_logits.cu (writes fp32 logits) and indexer_topk.cu (keeps the
+// scores as top-k order keys in shared memory). Both kernels run these very instructions, so a
+// key's fp32 score is bitwise the same in both (the fused top-k then selects the same set).
+//
+// One warpgroup (128 threads) scores a page with 4 x wgmma m64nHk32 e4m3 (QGMMA):
+//   A = the page's 64 keys in registers (PageFrag: each thread holds 2 x 32 bytes of its rows
+//       r0 = 16 * warp + g and r0 + 8, copied as four 16-byte chunks through a shared-memory
+//       ring of kStages pages per warpgroup: issue_page / read_frag), and
+//   B = the token's q [H, 128], staged once in shared memory (128-byte swizzle, stage_q),
+// so the accumulator holds [64 keys x H heads]: the head reduction is 16 in-thread FMAs per key
+// row plus two shuffles. The K dimension is permuted (the dot product does not care): a thread's
+// 16-byte loads land in the A-fragment slots directly, and q is written to shared memory under the
+// same permutation. relu(x) * w = (x + |x|) * (w / 2): FADD with an |x| operand instead of the
+// half-rate FMNMX (DeepGEMM PR #452).
+//
+// The K permutation. wgmma's A fragment (e4m3, k32) gives lane (g = lane/4, c = lane%4) the
+// logical k bytes [32s + 16h + 4c, +4) of rows g and g+8 in register a{2h} / a{2h+1} of k-step s.
+// A thread instead loads physical bytes [16c, 16c+16) and [16(c+4), 16(c+4)+16) of its rows, so
+// logical word (s, h, c) sits at physical byte 16*(c + 4*(s/2)) + 8*(s%2) + 4*h.
+#pragma once
+
+#include <stdint.h>
+
+#include "common.cuh"
+
+namespace dsa_indexer {
+
+constexpr int kWgThreads = 128;                                // one warpgroup
+constexpr int kIndexKeyBytes = DSA_PAGE_SIZE * DSA_INDEX_DIM;  // 8192: the page's keys, then 64 scales
+constexpr int kQRowBytes = DSA_INDEX_DIM;                      // one head of q: 128 e4m3
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
+__device__ __forceinline__ void fence_operand(float& r) { asm volatile("" : "+f"(r)::"memory"); }
+
+// The first 1024-byte aligned address of a dynamic shared-memory buffer (with 1023 bytes of slack).
+// Offsetting the __shared__ pointer itself (not a round trip through uintptr_t) keeps the shared
+// address space visible to the compiler: LDS / STS / ATOMS instead of generic accesses.
+__device__ __forceinline__ uint8_t* align_smem_1024(uint8_t* smem) {
+  const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  return smem + ((1024u - (addr & 1023u)) & 1023u);
+}
+
+// Shared-memory matrix descriptor, K-major operand with the 128-byte swizzle (8 rows x 128 B
+// atoms, stride 1024 B between 8-row groups). Base must be 1024-byte aligned.
+__device__ __forceinline__ uint64_t make_desc_sw128(const void* smem) {
+  const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  uint64_t desc = (uint64_t)((addr & 0x3FFFF) >> 4);
+  desc |= (uint64_t)(16 >> 4) << 16;    // leading byte offset (unused for swizzled K-major)
+  desc |= (uint64_t)(1024 >> 4) << 32;  // stride byte offset: next 8-row group
+  desc |= (uint64_t)1 << 62;            // SWIZZLE_128B
+  return desc;
+}
+
+// D[64 x N] (+)= A[64 x 32] (registers, e4m3) * B[N x 32]^T (shared, e4m3), fp32 accumulate.
+template <int N>
+struct Wgmma;
+
+template <>
+struct Wgmma<64> {
+  __device__ __forceinline__ static void run(float (&d)[32], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                             uint64_t desc, int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, "
+        "{%32, %33, %34, %35}, %36, p, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(scale_d));
+  }
+};
+
+template <>
+struct Wgmma<32> {
+  __device__ __forceinline__ static void run(float (&d)[16], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                             uint64_t desc, int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %21, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k32.f32.e4m3.e4m3 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, "
+        "{%16, %17, %18, %19}, %20, p, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(scale_d));
+  }
+};
+
+// A page's keys for one thread: rows r0 and r0+8, 32 bytes each, plus the scale this lane stores.
+struct PageFrag {
+  uint4 lo0, hi0, lo1, hi1;  // row r0: bytes [16c,+16), [16c+64,+16); row r0+8: the same
+  float scale;
+};
+
+// Byte offsets, inside a page of the pool, of what thread `wtid` (0..127 of its warpgroup) loads
+// into its PageFrag. Lanes c = 0 / 1 store rows r0 / r0 + 8 (score_row), so they load those scales.
+struct FragOffsets {
+  int lo0, hi0, lo1, hi1, scale;
+};
+__device__ __forceinline__ FragOffsets frag_offsets(int wtid) {
+  const int lane = wtid & 31, c = lane & 3, r0 = 16 * (wtid >> 5) + (lane >> 2);
+  return FragOffsets{r0 * DSA_INDEX_DIM + 16 * c, r0 * DSA_INDEX_DIM + 16 * (c + 4),
+                     (r0 + 8) * DSA_INDEX_DIM + 16 * c, (r0 + 8) * DSA_INDEX_DIM + 16 * (c + 4),
+                     kIndexKeyBytes + 4 * (c == 1 ? r0 + 8 : r0)};
+}
+// The key row (0..63) whose score score_page() returns in lanes c < 2 (c = 0: r0, c = 1: r0 + 8).
+__device__ __forceinline__ int score_row(int wtid) {
+  const int lane = wtid & 31;
+  return 16 * (wtid >> 5) + (lane >> 2) + ((lane & 3) == 1 ? 8 : 0);
+}
+__device__ __forceinline__ bool stores_score(int wtid) { return (wtid & 3) < 2; }
+
+// The page ring: each thread cp.async-copies its own 16-byte chunks of a page (frag_offsets) into
+// one stage and later reads back only those (read_frag), so stages need no block barrier;
+// [chunk][thread] keeps the LDS conflict-free. A warpgroup keeps kStages - 1 pages in flight.
+// (Loading straight into registers instead makes ptxas move each 16-byte vector into the
+// A-operand register tuples, rows r0 / r0 + 8 interleaved, right after the load, which waits for
+// it: no prefetch is left.)
+struct Stage {
+  uint4 keys[4][kWgThreads];
+  float scale[kWgThreads];
+};
+constexpr int kStages = 4;
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"((uint32_t)__cvta_generic_to_shared(smem)),
+               "l"(gmem));
+}
+__device__ __forceinline__ void cp_async4(void* smem, const void* gmem) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"((uint32_t)__cvta_generic_to_shared(smem)),
+               "l"(gmem));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+// This thread's chunks of the page at `page_base` (a page of the pool) -> stage (not committed).
+__device__ __forceinline__ void issue_page(Stage& st, const uint8_t* page_base, const FragOffsets& fo, int wtid) {
+  cp_async16(&st.keys[0][wtid], page_base + fo.lo0);
+  cp_async16(&st.keys[1][wtid], page_base + fo.hi0);
+  cp_async16(&st.keys[2][wtid], page_base + fo.lo1);
+  cp_async16(&st.keys[3][wtid], page_base + fo.hi1);
+  cp_async4(&st.scale[wtid], page_base + fo.scale);
+}
+__device__ __forceinline__ PageFrag read_frag(const Stage& st, int wtid) {
+  PageFrag f;
+  f.lo0 = st.keys[0][wtid];
+  f.hi0 = st.keys[1][wtid];
+  f.lo1 = st.keys[2][wtid];
+  f.hi1 = st.keys[3][wtid];
+  f.scale = st.scale[wtid];
+  return f;
+}
+
+// q of one token [H, 128] e4m3 -> shared (H x 128 bytes, 1024-byte aligned), K-permuted, 128-byte
+// swizzled rows (row = head), by kThreads threads. All 16-byte loads are issued before any store
+// (a load-store loop here cost ~10 us of serial latency per CTA). Physical word wi of chunk ch of
+// row h is logical word 8*s + 4*hh + c with c = ch & 3, s = 2*(ch >> 2) + (wi >> 1), hh = wi & 1.
+// The caller fences (fence.proxy.async) and synchronises before the first wgmma.
+template <int H, int kThreads>
+__device__ __forceinline__ void stage_q(uint8_t* sq, const void* q_token, int tid) {
+  constexpr int kChunks = H * kQRowBytes / 16;
+  constexpr int kPerThread = (kChunks + kThreads - 1) / kThreads;
+  constexpr bool kExact = kChunks % kThreads == 0;
+  const uint4* qg = static_cast<const uint4*>(q_token);
+  uint4 qv[kPerThread];
+#pragma unroll
+  for (int j = 0; j < kPerThread; ++j) {
+    const int u = tid + j * kThreads;
+    if (kExact || u < kChunks) qv[j] = qg[u];
+  }
+#pragma unroll
+  for (int j = 0; j < kPerThread; ++j) {
+    const int u = tid + j * kThreads, h = u >> 3, ch = u & 7;
+    if (!kExact && u >= kChunks) continue;
+    const uint32_t w4[4] = {qv[j].x, qv[j].y, qv[j].z, qv[j].w};
+#pragma unroll
+    for (int wi = 0; wi < 4; ++wi) {
+      const int lw = 8 * (2 * (ch >> 2) + (wi >> 1)) + 4 * (wi & 1) + (ch & 3), kb = 4 * lw;
+      *reinterpret_cast<uint32_t*>(sq + h * kQRowBytes + (((kb >> 4) ^ (h & 7)) << 4) + (kb & 15)) = w4[wi];
+    }
+  }
+}
+
+// Head weights of this lane's accumulator columns 8j + 2c + {0,1}, halved for (x + |x|).
+template <int H>
+__device__ __forceinline__ void load_head_weights(float (&wr)[H / 8][2], const float* w_token, int wtid) {
+  const int c = wtid & 3;
+#pragma unroll
+  for (int j = 0; j < H / 8; ++j) {
+    wr[j][0] = 0.5f * w_token[8 * j + 2 * c];
+    wr[j][1] = 0.5f * w_token[8 * j + 2 * c + 1];
+  }
+}
+
+// Scores of one page: returns, in lanes c < 2, sum_h w[h] * relu(q[h] . k[row]) * k_scale[row] for
+// row = score_row(wtid) (other lanes: a partial sum, unused). All 128 threads of the warpgroup
+// call it together (wgmma is warpgroup-wide). `d` is scratch the caller keeps across pages (no
+// reinitialisation: the first wgmma overwrites it).
+template <int H>
+__device__ __forceinline__ float score_page(float (&d)[H / 2], const PageFrag& f, uint64_t desc,
+                                            const float (&wr)[H / 8][2], int wtid) {
+#pragma unroll
+  for (int j = 0; j < H / 2; ++j) fence_operand(d[j]);
+  wgmma_fence();
+  Wgmma<H>::run(d, f.lo0.x, f.lo1.x, f.lo0.y, f.lo1.y, desc + 0, 0);
+  Wgmma<H>::run(d, f.lo0.z, f.lo1.z, f.lo0.w, f.lo1.w, desc + 2, 1);
+  Wgmma<H>::run(d, f.hi0.x, f.hi1.x, f.hi0.y, f.hi1.y, desc + 4, 1);
+  Wgmma<H>::run(d, f.hi0.z, f.hi1.z, f.hi0.w, f.hi1.w, desc + 6, 1);
+  wgmma_commit();
+  wgmma_wait0();
+#pragma unroll
+  for (int j = 0; j < H / 2; ++j) fence_operand(d[j]);
+
+  float s0 = 0.f, s1 = 0.f;  // rows r0 and r0 + 8, this lane's 2*H/8 heads
+#pragma unroll
+  for (int j = 0; j < H / 8; ++j) {
+    s0 = fmaf(wr[j][0], d[4 * j + 0] + fabsf(d[4 * j + 0]), s0);
+    s0 = fmaf(wr[j][1], d[4 * j + 1] + fabsf(d[4 * j + 1]), s0);
+    s1 = fmaf(wr[j][0], d[4 * j + 2] + fabsf(d[4 * j + 2]), s1);
+    s1 = fmaf(wr[j][1], d[4 * j + 3] + fabsf(d[4 * j + 3]), s1);
+  }
+  s0 += __shfl_xor_sync(0xffffffffu, s0, 1);
+  s1 += __shfl_xor_sync(0xffffffffu, s1, 1);
+  s0 += __shfl_xor_sync(0xffffffffu, s0, 2);
+  s1 += __shfl_xor_sync(0xffffffffu, s1, 2);
+  return ((wtid & 3) == 0 ? s0 : s1) * f.scale;
+}
+
+}  // namespace dsa_indexer
