@@ -380,14 +380,8 @@ def indexer_k_cache_write(index_k, slot_mapping, pool) -> None:
         _require_lib().launch(op, p, dev)
 
 
-def indexer_logits(q, weights, pool, page_table, req_idx, seq_lens, out: torch.Tensor | None = None):
-    """[T, max_pages*64] fp32 logits; `out` (optional) may be a preallocated (e.g. poisoned) buffer."""
-    op = "indexer_logits"
-    fmt = _mla_pool_format(pool)
-    q_dtype = {CACHE_FP8: torch.float8_e4m3fn, CACHE_BF16: torch.bfloat16}.get(fmt)
-    if fmt is None or q.dtype != q_dtype:
-        _fallback(op, f"pool {pool.dtype}, q {q.dtype}")
-        return ref.indexer_logits(q, weights, pool, page_table, req_idx, seq_lens)
+def _check_indexer_inputs(op, fmt, q_dtype, q, weights, pool, page_table, req_idx, seq_lens):
+    """Shapes/dtypes of the paged indexer inputs (indexer_logits, indexer_topk) -> (device, T, heads, max_pages)."""
     dev = pool.device
     if fmt == CACHE_FP8:
         _check_tensor(op, "pool", pool, dtypes=(torch.uint8,), ndim=2, device=dev, shape=(None, INDEX_PAGE_BYTES),
@@ -409,6 +403,19 @@ def indexer_logits(q, weights, pool, page_table, req_idx, seq_lens, out: torch.T
                   contiguous=True)
     _check_tensor(op, "seq_lens", seq_lens, dtypes=(torch.int32,), ndim=1, device=dev, shape=(num_tokens,),
                   contiguous=True)
+    return dev, num_tokens, heads, max_pages
+
+
+def indexer_logits(q, weights, pool, page_table, req_idx, seq_lens, out: torch.Tensor | None = None):
+    """[T, max_pages*64] fp32 logits; `out` (optional) may be a preallocated (e.g. poisoned) buffer."""
+    op = "indexer_logits"
+    fmt = _mla_pool_format(pool)
+    q_dtype = {CACHE_FP8: torch.float8_e4m3fn, CACHE_BF16: torch.bfloat16}.get(fmt)
+    if fmt is None or q.dtype != q_dtype:
+        _fallback(op, f"pool {pool.dtype}, q {q.dtype}")
+        return ref.indexer_logits(q, weights, pool, page_table, req_idx, seq_lens)
+    dev, num_tokens, heads, max_pages = _check_indexer_inputs(op, fmt, q_dtype, q, weights, pool, page_table,
+                                                              req_idx, seq_lens)
     width = max_pages * PAGE_SIZE
     if out is None:
         out = torch.empty((num_tokens, width), dtype=torch.float32, device=dev)
@@ -491,27 +498,8 @@ def _indexer_topk_params(q, weights, pool, page_table, req_idx, seq_lens, k, slo
         _fail(op, f"path={path!r} not in {tuple(INDEXER_TOPK_PATHS)}")
     if not (isinstance(k, int) and 1 <= k <= INT32_MAX):
         _fail(op, f"k={k} must be an int in [1, 2^31)")
-    dev = pool.device
-    if fmt == CACHE_FP8:
-        _check_tensor(op, "pool", pool, dtypes=(torch.uint8,), ndim=2, device=dev, shape=(None, INDEX_PAGE_BYTES),
-                      contiguous=True)
-    else:
-        _check_tensor(op, "pool", pool, dtypes=(torch.bfloat16,), ndim=3, device=dev,
-                      shape=(None, PAGE_SIZE, INDEX_DIM), contiguous=True)
-    _check_tensor(op, "q", q, dtypes=(q_dtype,), ndim=3, device=dev, shape=(None, None, INDEX_DIM), contiguous=True)
-    num_tokens, heads = q.shape[0], q.shape[1]
-    if heads not in (32, 64):
-        _fail(op, f"num_heads={heads} unsupported (32, 64)")
-    _check_tensor(op, "weights", weights, dtypes=(torch.float32,), ndim=2, device=dev, shape=(num_tokens, heads),
-                  contiguous=True)
-    _check_tensor(op, "page_table", page_table, dtypes=(torch.int32,), ndim=2, device=dev, contiguous=True)
-    max_pages = page_table.shape[1]
-    if max_pages * PAGE_SIZE > INT32_MAX:
-        _fail(op, f"max_pages={max_pages}: max_pages*64 overflows int32")
-    _check_tensor(op, "req_idx", req_idx, dtypes=(torch.int32,), ndim=1, device=dev, shape=(num_tokens,),
-                  contiguous=True)
-    _check_tensor(op, "seq_lens", seq_lens, dtypes=(torch.int32,), ndim=1, device=dev, shape=(num_tokens,),
-                  contiguous=True)
+    dev, num_tokens, heads, max_pages = _check_indexer_inputs(op, fmt, q_dtype, q, weights, pool, page_table,
+                                                              req_idx, seq_lens)
     _check_tensor(op, "slots", slots, dtypes=(torch.int32,), ndim=2, device=dev, shape=(num_tokens, k),
                   contiguous=True)
     if indices is not None:
