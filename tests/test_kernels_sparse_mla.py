@@ -137,17 +137,36 @@ def poisoned_workspace(K, tokens: int, heads: int, topk: int, fmt: int = 0) -> t
     return torch.full((nbytes // 4,), float("nan"), dtype=torch.float32, device=DEV) if nbytes else None
 
 
+def fp8_emulated_tols(score_std: float) -> tuple[float, float]:
+    """(rel_fro, row_rel) for the fp8 kernel's out against sparse_mla_fp8_emulated (tier 1).
+
+    A float32 replay of the emulated arithmetic stays within 1.8e-3 rel / 3.0e-3 per row of it (bf16
+    rounding of out; 300 seeds of T=2 H=128 k=64). The H200's fp8 wgmma accumulates S with ~14 bits
+    (DeepSeek-V3 report, SageAttention2), which the replay cannot reproduce. Since the running max is
+    an integer (split-KV) that error reaches out through P: the row's largest P is any value in
+    (128, 256] rounded to e4m3 (before: exactly 2^8), so an S error of ~1e-3 now and then moves a P
+    across an e4m3 rounding midpoint, and when that is the row's dominant key the row moves by one
+    e4m3 step of its weight: up to 1/8 * (1 + 1/16) = 0.133 (l sums the unrounded P). Few, peaky keys
+    get it most. H200: a 0.094 row at T=2 H=128 k=64 (rel 1.2e-2; its other rows ~1.6e-3), and before
+    the integer max a 0.164 row at score std 6. CPU model of the accumulation (tests/model_sparse_mla_fp8.py,
+    14 and 13 bits, every fp8 case of this file, 20-60 seeds each, 3-8 at k=2048 std 1.5): worst row
+    0.112; rel up to 0.040 at std 1.5 (cases of 48-64 rows; medians 5e-3..1.5e-2), 0.050 at std 6
+    (medians 1.7e-2..3.0e-2); the old max in the same model: rows <= 0.057, rel <= 1.3e-2. Bounds:
+    rows 0.15 (the one-flip bound + margin; 0.06 * std = 0.36 at std 6 as before), rel 1.4x / 1.6x the
+    worst seen. A layout, permutation, masking or combine bug is O(1), and split-vs-unsplit stays
+    tight (both round the same P)."""
+    return 0.05 + 0.005 * score_std, max(0.06 * score_std, 0.15)
+
+
 def check_fp8(K, case, params: str, score_std: float = 1.5, num_splits: int | None = None):
     q, pool8, slots, kv_scale = case["q"], case["pool8"], case["slots"], case["kv_scale"]
     out, lse = run_kernel(K, case, "fp8", num_splits)
-    # tier 1: the kernel's quantisation replayed in float64 (q8 bit-exact). A float32 replay of the
-    # same arithmetic lands at 1.6e-3 rel (bf16 rounding of out, rare e4m3 flips of P). The H200's
-    # fp8 wgmma accumulates with reduced precision (DeepSeek-V3 report: ~14 bits), which moves the
-    # scores by up to ~5e-2 (log units) and out by 5e-3..9e-3 rel (measured); 2-3x margin.
-    # A layout, permutation or masking bug is O(1).
+    # tier 1: the kernel's quantisation replayed in float64 (q8 bit-exact); what is left is the fp8
+    # wgmma's reduced-precision accumulation (scores move by up to ~5e-2 log units at k >= 200, measured)
+    # and the e4m3 rounding flips of P it causes; bounds and their measurement: fp8_emulated_tols.
     e_out, e_lse = R.sparse_mla_fp8_emulated(q, pool8, slots, kv_scale, SM_SCALE)
-    # Per (token, head) row the accumulation error grows with the peakiness (0.16 measured at score std 6).
-    check_close("out vs fp8-emulated", out, e_out, rel_fro=2e-2, row_rel=0.06 * score_std, params=params)
+    rel_fro, row_rel = fp8_emulated_tols(score_std)
+    check_close("out vs fp8-emulated", out, e_out, rel_fro=rel_fro, row_rel=row_rel, params=params)
     # lse: the same accumulation error, in absolute log units, scales with the score spread
     # (measured max 0.047 at score std 1.5).
     check_close("lse vs fp8-emulated", lse, e_lse, rel_fro=2e-3, atol=0.05 * score_std, params=params)
@@ -211,7 +230,7 @@ def test_fp8_nan_propagates(K):
     flat[nan_slot, 5] = 0x7F  # e4m3 NaN
     out, lse = run_kernel(K, case, "fp8")
     e_out, e_lse = R.sparse_mla_fp8_emulated(case["q"], case["pool8"], case["slots"], case["kv_scale"], SM_SCALE)
-    check_close("out (nan case)", out, e_out, rel_fro=2e-2, params="nan case")
+    check_close("out (nan case)", out, e_out, rel_fro=fp8_emulated_tols(1.5)[0], params="nan case")
     check_close("lse (nan case)", lse, e_lse, rel_fro=1e-3, atol=0.1, params="nan case")
     assert torch.isnan(out[1, 3]).all() and torch.isnan(out[2]).all()
 
@@ -352,8 +371,10 @@ def test_fp8_split_partials(K, tokens, heads, topk, num_splits, extra):
     for c, (k0, k1) in enumerate(chunk_keys(topk, n)):
         e_out, e_lse = R.sparse_mla_fp8_emulated(case["q"], case["pool8"], case["slots"][:, k0:k1].contiguous(),
                                                  case["kv_scale"], SM_SCALE)
-        # tier-1 tolerances of check_fp8 (score std 1.5); the partial is fp32, no bf16 rounding
-        check_close(f"chunk {c} (keys {k0}..{k1}) partial out", part_out[c], e_out, rel_fro=2e-2, row_rel=0.09,
+        # tier-1 tolerances of check_fp8 (score std 1.5); the partial is fp32, no bf16 rounding, but a
+        # chunk of few keys is peaky: the e4m3 flips of P (fp8_emulated_tols) hit it as hard
+        rel_fro, row_rel = fp8_emulated_tols(1.5)
+        check_close(f"chunk {c} (keys {k0}..{k1}) partial out", part_out[c], e_out, rel_fro=rel_fro, row_rel=row_rel,
                     params=params)
         check_close(f"chunk {c} (keys {k0}..{k1}) partial lse", part_lse[c], e_lse, rel_fro=2e-3, atol=0.075,
                     params=params)
