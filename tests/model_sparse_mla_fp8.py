@@ -2,8 +2,8 @@
 tests/test_kernels_sparse_mla.py (out vs ``ref_sparse_mla.sparse_mla_fp8_emulated``). Not a test.
 
 The float64 replay in ref_sparse_mla.py is exact up to fp32 order: a float32 replay of the same
-steps (exact products, fp32 accumulation, integer running max, e4m3 P) stays within 3.0e-3 per
-(token, head) row of it (300 seeds of T=2 H=128 k=64, 76800 rows; bf16 rounding of out). What it
+steps (exact products, fp32 accumulation, exact running max, e4m3 P) stays within ~3e-3 per
+(token, head) row of it (bf16 rounding of out). What it
 cannot replay is the H200's fp8 wgmma accumulation, modelled here after DeepSeek-V3 §3.5.2 and
 SageAttention2: per k32 instruction the 32 exact products are aligned to their largest exponent
 and only the top `bits` bits are kept (sign-fill shift = floor), the accumulator keeps `bits`
@@ -13,15 +13,17 @@ measured, lse max 1.4-3e-3 vs 2.5e-3; integer max, T=2 H=128 k=64: rel median 9e
 row 0.09-0.11 in ~10% of seeds vs 0.094), but the H200's rarer lse outliers (0.025 at k = 48 with
 holes, up to 0.047 at k >= 200) are not reproduced, so 13 bits is run too.
 
-Why it matters since the running max became an integer (split-KV): the row's largest P is then
-any value in (128, 256] rounded to e4m3 instead of exactly 2^8, and l sums the unrounded P. An S
-error of ~1e-3 (log units) moves a P across an e4m3 rounding midpoint now and then; when that P
-is the row's dominant key, out moves by one e4m3 step of its weight (<= 1/8 * (1 + 1/16)).
+The running max is exact (the integer max of 67da88c, reverted, is still modelled by
+--integer-max): the row's dominant P is exactly 2^8, so S errors reach out only through the small P.
+A split run replays each chunk with its own max and P rounding and merges the chunks by lse, and
+tier 1 compares it with the float64 replay of the same chunks (ref_sparse_mla, chunks=...).
 
-    .venv/bin/python tests/model_sparse_mla_fp8.py [--seeds 20] [--bits 14,13] [--old-max]
-prints, per test case (CPU generator: the same distribution as make_case, not the same values),
-the worst row and the rel Frobenius error against the float64 replay, and how many seeds exceed
-the tier-1 bounds.
+    .venv/bin/python tests/model_sparse_mla_fp8.py [--seeds 10] [--bits 14,13] [--integer-max] [--only NAME]
+prints, per test case and run (auto / forced chunk counts / partials; CPU generator: the same
+distribution as the test's make_case, not the same values), the worst row and the rel Frobenius
+error against the float64 replay of the same chunking and how many seeds exceed fp8_emulated_tols;
+for split runs also the model's split vs unsplit out (worst row, rel) and lse (max abs), against
+SPLIT_VS_UNSPLIT_TOLS.
 """
 
 from __future__ import annotations
@@ -84,18 +86,13 @@ def mma_k32(c: torch.Tensor, prods: torch.Tensor, bits: int | None) -> torch.Ten
     return _trunc(_trunc(c, bits) + s * (qe.squeeze(-1) << 23).view(torch.float32), bits)
 
 
-def auto_chunks(tokens: int, heads: int, topk: int, sms: int = 132):
-    """sparse_mla.cu choose_splits in auto mode with a workspace: key ranges, or None (unsplit)."""
-    tiles = -(-topk // 64)
-    ctas = tokens * -(-heads // 64)
-    if 2 * ctas > min(sms, 132):
-        return None
-    per = -(-tiles // max(1, min(min(sms, 132) // ctas, tiles)))
-    n = -(-tiles // per)
-    return None if n == 1 else [(c * per * 64, min(topk, (c + 1) * per * 64)) for c in range(n)]
+def chunks_of(tokens: int, heads: int, topk: int, num_splits: int, sms: int = 132):
+    """The launcher's key ranges (ref_sparse_mla.fp8_split_chunks), None when it runs unsplit."""
+    ch = R.fp8_split_chunks(tokens, heads, topk, num_splits, sms)
+    return None if len(ch) == 1 else ch
 
 
-def replay(case, *, bits: int | None = 14, integer_max: bool = True, chunks=None, out_bf16: bool = True):
+def replay(case, *, bits: int | None = 14, integer_max: bool = False, chunks=None, out_bf16: bool = True):
     """One kernel run: fp32 softmax, e4m3 q and P, QK^T as 2 x 9 k32 steps (one per consumer warpgroup,
     partials added in fp32), PV as 2 k32 steps per 64-key tile into one accumulator; chunks (split-KV)
     each run alone and are combined in fp32. Returns (out, lse) float64."""
@@ -156,10 +153,11 @@ def replay(case, *, bits: int | None = 14, integer_max: bool = True, chunks=None
     return out.double(), lse.double()
 
 
-def emulated(case, integer_max: bool = True):
-    if integer_max:
-        return R.sparse_mla_fp8_emulated(case["q"], case["pool8"], case["slots"], case["kv_scale"], SM_SCALE)
-    return replay(case, bits=None, integer_max=False, out_bf16=False)  # pre-split-KV max (fp32, close enough)
+def emulated(case, chunks=None, integer_max: bool = False):
+    """What tier 1 compares with: the float64 replay of the same chunking (per-chunk max, lse merge)."""
+    if integer_max:  # the reverted 67da88c arithmetic (fp32, close enough; chunks round P alike there)
+        return replay(case, bits=None, integer_max=True, out_bf16=False)
+    return R.sparse_mla_fp8_emulated(case["q"], case["pool8"], case["slots"], case["kv_scale"], SM_SCALE, chunks)
 
 
 def row_errors(got, want):
@@ -171,72 +169,105 @@ def row_errors(got, want):
     return rel, torch.where(wn > 0, err.norm(dim=-1) / wn.clamp(min=1e-30), 0.0).flatten()
 
 
-# (name, tokens, heads, topk, pages, extra, run): run = "auto" (the test's num_splits=0 run, chunked as for
-# `tokens`), "unsplit", or ("partials", num_splits). Large cases run with fewer tokens (rows are alike).
+# The fp8 cases of tests/test_kernels_sparse_mla.py: (name, tokens, heads, topk, pages, extra, runs). runs:
+# "auto" (num_splits 0 or None: chunked for the test's token count `T` on 132 SMs), an int n (forced), or
+# ("partials", n) (each chunk's fp32 partial vs the replay of its keys alone). Cases with many tokens run
+# with fewer (rows are alike; the chunking stays the test's). Every split run is also compared with the
+# unsplit run of the model (split vs unsplit).
 CASES = [
-    ("designed T=3 H=16 k=16", 3, 16, 16, 4, {}, "auto"),
-    ("designed T=5 H=32 k=48 holes", 5, 32, 48, 8, {"invalid_frac": 0.2}, "auto"),
-    ("designed T=1 H=64 k=64", 1, 64, 64, 16, {}, "auto"),
-    ("designed T=7 H=128 k=200 (T=2)", 2, 128, 200, 32, {"pad_tail": 37}, "unsplit"),
-    ("designed T=2 H=128 k=512", 2, 128, 512, 64, {}, "auto"),
-    ("designed T=6 H=128 k=2048 std 6 (T=1)", 1, 128, 2048, 64, {"score_std": 6.0}, "auto:6"),
-    ("nan case T=4 H=64 k=256 (no NaN)", 4, 64, 256, 16, {}, "auto"),
-    ("split T=1 H=128 k=2048", 1, 128, 2048, 256, {}, "auto"),
-    ("split T=2 H=128 k=512 pad 300", 2, 128, 512, 64, {"pad_tail": 300}, "auto"),
-    ("split T=3 H=16 k=77", 3, 16, 77, 16, {}, "auto"),
-    ("split T=1 H=64 k=200 holes", 1, 64, 200, 16, {"invalid_frac": 0.3}, "auto"),
-    ("split T=2 H=128 k=64", 2, 128, 64, 16, {}, "auto"),
-    ("split T=1 H=16 k=2048 std 6", 1, 16, 2048, 64, {"score_std": 6.0}, "auto"),
-    ("partials T=3 H=16 k=200 ns=4", 3, 16, 200, 128, {"invalid_frac": 0.2}, ("partials", 4)),
+    ("designed T=3 H=16 k=16", 3, 16, 16, 4, {}, ["auto"]),
+    ("designed T=5 H=32 k=48 holes", 5, 32, 48, 8, {"invalid_frac": 0.2}, ["auto"]),
+    ("designed T=1 H=64 k=64", 1, 64, 64, 16, {}, ["auto"]),
+    ("designed T=7 H=128 k=200 pad 37 (T=2)", (2, 7), 128, 200, 32, {"pad_tail": 37}, ["auto"]),
+    ("designed T=2 H=128 k=512", 2, 128, 512, 64, {}, ["auto"]),
+    ("designed T=13 H=16 k=2048 (T=2)", (2, 13), 16, 2048, 64, {}, ["auto"]),
+    ("designed T=6 H=128 k=2048 std 6 (T=1)", (1, 6), 128, 2048, 64, {"score_std": 6.0}, ["auto"]),
+    ("nan case T=4 H=64 k=256 (no NaN)", 4, 64, 256, 16, {}, ["auto"]),
+    ("split T=1 H=128 k=2048", 1, 128, 2048, 256, {}, ["auto", 2, 5]),
+    ("split T=3 H=64 k=2048 dead 512..1024 (T=1)", (1, 3), 64, 2048, 256, {"dead_range": (512, 1024)}, ["auto", 4]),
+    ("split T=2 H=128 k=512 pad 300", 2, 128, 512, 64, {"pad_tail": 300}, ["auto", 2, 8]),
+    ("split T=3 H=16 k=77", 3, 16, 77, 16, {}, ["auto", 2]),
+    ("split T=1 H=64 k=200 holes", 1, 64, 200, 16, {"invalid_frac": 0.3}, ["auto", 4]),
+    ("split T=2 H=128 k=64", 2, 128, 64, 16, {}, ["auto", 2]),
+    ("split T=1 H=16 k=2048 std 6", 1, 16, 2048, 64, {"score_std": 6.0}, ["auto", 32]),
+    ("partials T=3 H=16 k=200 ns=4", 3, 16, 200, 128, {"invalid_frac": 0.2}, [("partials", 4)]),
 ]
 
 
 def run_case(case_def, seed, bits, integer_max):
-    _, T, H, k, pages, extra, run = case_def
+    """[(run label, tier-1 rel, tier-1 rows, split-vs-unsplit (rel, rows, lse max abs) or None)]."""
+    _, T, H, k, pages, extra, runs = case_def
+    T, T_test = T if isinstance(T, tuple) else (T, T)
     c = make_case(seed, T, H, k, pages, **extra)
-    if isinstance(run, tuple):  # each chunk's fp32 partial vs the replay of its keys alone
-        tiles = -(-k // 64)
-        per = -(-tiles // max(1, min(run[1], tiles)))
-        rows, rels = [], []
-        for k0 in range(0, k, per * 64):
-            cc = dict(c, slots=c["slots"][:, k0:k0 + per * 64].contiguous())
-            rel, rr = row_errors(replay(cc, bits=bits, integer_max=integer_max, out_bf16=False)[0],
-                                 emulated(cc, integer_max)[0])
-            rows.append(rr)
-            rels.append(rel)
-        return max(rels), torch.cat(rows)
-    chunks = None if run == "unsplit" else auto_chunks(int(run.split(":")[1]) if ":" in run else T, H, k)
-    return row_errors(replay(c, bits=bits, integer_max=integer_max, chunks=chunks)[0], emulated(c, integer_max)[0])
+    res = []
+    unsplit = None
+    for run in runs:
+        if isinstance(run, tuple):  # each chunk's fp32 partial vs the replay of its keys alone
+            rows, rels = [], []
+            for k0, k1 in R.fp8_split_chunks(T_test, H, k, run[1], 132):
+                cc = dict(c, slots=c["slots"][:, k0:k1].contiguous())
+                rel, rr = row_errors(replay(cc, bits=bits, integer_max=integer_max, out_bf16=False)[0],
+                                     emulated(cc, integer_max=integer_max)[0])
+                rows.append(rr)
+                rels.append(rel)
+            res.append((f"partials ns={run[1]}", max(rels), torch.cat(rows), None))
+            continue
+        chunks = chunks_of(T_test, H, k, 0 if run == "auto" else run)
+        got = replay(c, bits=bits, integer_max=integer_max, chunks=chunks)
+        label = f"{run} ({len(chunks) if chunks else 1} ch)"
+        rel, rows = row_errors(got[0], emulated(c, chunks, integer_max)[0])
+        vs = None
+        if chunks is not None:
+            if unsplit is None:
+                unsplit = replay(c, bits=bits, integer_max=integer_max)
+            u_rel, u_rows = row_errors(got[0], unsplit[0])
+            fin = torch.isfinite(unsplit[1])
+            lse_err = (torch.where(fin, got[1], 0.0) - torch.where(fin, unsplit[1], 0.0)).abs().max().item()
+            vs = (u_rel, u_rows, lse_err)
+        res.append((label, rel, rows, vs))
+    return res
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seeds", type=int, default=20)
     ap.add_argument("--bits", default="14,13", help="accumulator bits to model (comma list; 'fp32' = exact fp32)")
-    ap.add_argument("--old-max", action="store_true", help="the running max before split-KV (not rounded)")
+    ap.add_argument("--integer-max", action="store_true",
+                    help="the reverted 67da88c running max (rounded up to an integer) instead of the kernel's")
     ap.add_argument("--only", default="", help="substring of the case names to run")
     a = ap.parse_args()
-    torch.set_num_threads(1)
+    torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from test_kernels_sparse_mla import fp8_emulated_tols  # the bounds under test (imports without a GPU)
+    # the bounds under test (imports without a GPU)
+    from test_kernels_sparse_mla import SPLIT_VS_UNSPLIT_TOLS, fp8_emulated_tols
 
-    print(f"{'case':42s} {'bits':>4s} {'rows':>6s} {'worst row':>9s} {'rel med':>8s} {'rel max':>8s}"
-          f"  {'seeds over old (2e-2, 0.06 std)':>31s}  {'over new':>8s}")
+    print(f"{'case':44s} {'run':>12s} {'bits':>4s} {'rows':>6s} | tier 1: {'worst row':>9s} {'rel med':>8s} "
+          f"{'rel max':>8s} {'over':>6s} | split vs unsplit: {'worst row':>9s} {'rel max':>8s} {'lse max':>8s} "
+          f"{'over':>6s}")
     for cd in CASES:
         if a.only not in cd[0]:
             continue
         std = cd[5].get("score_std", 1.5)
-        new_fro, new_row = fp8_emulated_tols(std)
+        fro, row = fp8_emulated_tols(std)
         for b in a.bits.split(","):
             bits = None if b == "fp32" else int(b)
-            res = [run_case(cd, seed, bits, not a.old_max) for seed in range(a.seeds)]
-            rels = torch.tensor([r[0] for r in res])
-            worst = torch.tensor([r[1].max().item() for r in res])
-            n_rows = sum(r[1].numel() for r in res)
-            old = int(((rels > 2e-2) | (worst > 0.06 * std)).sum())
-            new = int(((rels > new_fro) | (worst > new_row)).sum())
-            print(f"{cd[0]:42s} {b:>4s} {n_rows:6d} {worst.max():9.4f} {rels.median():8.1e} {rels.max():8.1e}"
-                  f"  {old:25d}/{a.seeds:<5d}  {new:4d}/{a.seeds}", flush=True)
+            per_seed = [run_case(cd, seed, bits, a.integer_max) for seed in range(a.seeds)]
+            for i, label in enumerate(r[0] for r in per_seed[0]):
+                rs = [s[i] for s in per_seed]
+                rels = torch.tensor([r[1] for r in rs])
+                worst = torch.tensor([r[2].max().item() for r in rs])
+                n_rows = sum(r[2].numel() for r in rs)
+                over = int(((rels > fro) | (worst > row)).sum())
+                line = (f"{cd[0]:44s} {label:>12s} {b:>4s} {n_rows:6d} | {'':8s}{worst.max():9.4f} {rels.median():8.1e} "
+                        f"{rels.max():8.1e} {over:3d}/{a.seeds:<2d} |")
+                if rs[0][3] is not None:
+                    u_fro, u_row, u_lse = SPLIT_VS_UNSPLIT_TOLS(std)
+                    ur = torch.tensor([r[3][0] for r in rs])
+                    uw = torch.tensor([r[3][1].max().item() for r in rs])
+                    ul = torch.tensor([r[3][2] for r in rs])
+                    u_over = int(((ur > u_fro) | (uw > u_row) | (ul > u_lse)).sum())
+                    line += f" {'':17s} {uw.max():9.4f} {ur.max():8.1e} {ul.max():8.1e} {u_over:3d}/{a.seeds:<2d}"
+                print(line, flush=True)
 
 
 if __name__ == "__main__":

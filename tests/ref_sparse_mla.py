@@ -9,12 +9,14 @@ Never imports dsa_trt. Two functions:
   gives out 0 and lse -inf.
 * ``sparse_mla_fp8_emulated``: the same operator computed the way the fp8 kernel computes it
   (q quantised per head to e4m3 with scale amax / 448 -- in float32, bit-exact with the kernel --,
-  online softmax over tiles of 64 keys in the log2 domain with the running max rounded up to an
-  integer, P = 2^(z - m + 8) stored as e4m3), in float64 elsewhere. The kernel should match it
-  up to fp32 accumulation order and ex2.approx, so the tight test tier measures kernel bugs, not
-  quantisation error. Because m is an integer, P under any other max (a split-KV chunk's) is the
-  same e4m3 value times a power of two (outside the e4m3 subnormals, < 2^-14 of the row max), so
-  this one replay also stands for the kernel's split runs.
+  online softmax over tiles of 64 keys in the log2 domain with the exact running max m,
+  P = 2^(z - m + 8) stored as e4m3), in float64 elsewhere. The kernel should match it up to fp32
+  accumulation order and ex2.approx, so the tight test tier measures kernel bugs, not
+  quantisation error. A split-KV run (``chunks``: the key ranges of the launcher's chunks, whole
+  64-key tiles) is replayed chunk by chunk -- each chunk has its own running max, so its P rounds
+  to e4m3 differently from the unsplit run's -- and the chunks are merged by lse in float64, as
+  the combine kernel does in fp32.
+* ``fp8_split_chunks``: those key ranges, by the launcher's rule (sparse_mla.cu choose_splits).
 """
 
 from __future__ import annotations
@@ -70,9 +72,52 @@ def sparse_mla_ref(q: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor, kv_
     return _finish(scores, valid, kv[..., :MLA_V_DIM])
 
 
+def fp8_split_chunks(num_tokens: int, num_heads: int, topk: int, num_splits: int, sm_count: int,
+                     workspace: bool = True) -> list[tuple[int, int]]:
+    """Key ranges [k0, k1) of the chunks the fp8 launcher runs (sparse_mla.cu choose_splits); one range
+    (0, topk) when it runs unsplit. num_splits: 0 = auto (one wave of min(sm_count, 132) CTAs, at least
+    two chunks per token, unsplit without a workspace), n >= 1 = about n chunks. Chunks are whole
+    64-key tiles: ceil(tiles / n) each, the last one shorter."""
+    tiles = -(-topk // TILE_KEYS)
+    ctas = num_tokens * -(-num_heads // 64)
+    if num_splits == 0:
+        budget = min(sm_count, 132)
+        want = 1 if (not workspace or 2 * ctas > budget) else budget // ctas
+    else:
+        want = num_splits
+    n = max(1, min(want, tiles))
+    per = -(-tiles // n)
+    n = -(-tiles // per)
+    if n == 1:
+        return [(0, topk)]
+    return [(c * per * TILE_KEYS, min(topk, (c + 1) * per * TILE_KEYS)) for c in range(n)]
+
+
+def combine_lse(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge per-chunk (out [T, H, 512], lse [T, H]) by lse in float64 (the combine kernel's math): w_s =
+    exp(lse_s - max lse), out = sum w_s out_s / sum w_s, lse = max + log sum w_s. A -inf chunk weighs 0,
+    all -inf gives out 0 / lse -inf, a NaN chunk makes the row NaN."""
+    if len(parts) == 1:
+        return parts[0]
+    po = torch.stack([p[0] for p in parts]).to(torch.float64)
+    pl = torch.stack([p[1] for p in parts]).to(torch.float64)
+    mx = pl.amax(dim=0)  # NaN if any chunk is NaN
+    w = torch.where(pl == -math.inf, torch.zeros_like(pl), torch.exp(pl - mx))
+    ws = w.sum(dim=0)
+    empty = ws == 0
+    out = torch.where(empty[..., None], torch.zeros_like(po[0]), (w[..., None] * po).sum(0) / ws[..., None])
+    lse = torch.where(empty, torch.full_like(mx, -math.inf), mx + torch.log(ws))
+    return out, lse
+
+
 def sparse_mla_fp8_emulated(q: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor, kv_scale: float,
-                            sm_scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The fp8 kernel's arithmetic in float64 (see module docstring). pool must be uint8."""
+                            sm_scale: float, chunks: list[tuple[int, int]] | None = None
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fp8 kernel's arithmetic in float64 (see module docstring). pool must be uint8. chunks: the key
+    ranges of a split-KV run (fp8_split_chunks), each replayed alone and merged by lse; None = unsplit."""
+    if chunks is not None and len(chunks) > 1:
+        return combine_lse([sparse_mla_fp8_emulated(q, pool, slots[:, k0:k1].contiguous(), kv_scale, sm_scale)
+                            for k0, k1 in chunks])
     assert pool.dtype == torch.uint8
     flat = pool.reshape(-1, MLA_DIM)
     slots = slots.long()
@@ -97,7 +142,7 @@ def sparse_mla_fp8_emulated(q: torch.Tensor, pool: torch.Tensor, slots: torch.Te
         vt = valid[:, k0:k0 + TILE_KEYS]
         z = torch.einsum("thd,tkd->thk", q8, kt) * f[..., None]
         z = z.masked_fill(~vt[:, None, :], -math.inf)
-        m_new = torch.maximum(m, torch.ceil(z.nan_to_num(nan=-math.inf).amax(dim=-1)))
+        m_new = torch.maximum(m, z.nan_to_num(nan=-math.inf).amax(dim=-1))
         alpha = torch.where(m == -math.inf, torch.zeros_like(m), torch.exp2(m - m_new))
         bias = torch.where(m_new == -math.inf, torch.zeros_like(m_new), P_OFFSET - m_new)
         p = torch.exp2(z + bias[..., None])

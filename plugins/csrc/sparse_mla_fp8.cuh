@@ -14,9 +14,10 @@
 // used by the tensor cores as they are: no dequantisation at all. q is quantised per (token,
 // head) to e4m3 with scale amax/448; kv_scale * q_scale * sm_scale go into the fp32 scores, and
 // kv_scale / l into the output. P = 2^(z - m + 8) is stored as e4m3 (max 256 < 448), which keeps
-// probabilities down to ~2^-13 of the row max in the normal range; the 2^8 cancels in O / l. The
-// running max m is rounded up to an integer, so P under any two maxima differs by a power of two,
-// which e4m3 represents exactly: a split run rounds P as the unsplit run does.
+// probabilities down to ~2^-14 of the row max in the normal range; the 2^8 cancels in O / l. The
+// running max m is the exact max (the row's dominant P is exactly 2^8, no e4m3 rounding), so a
+// split-KV chunk, with its own max, rounds its P differently from the unsplit run: split and
+// unsplit agree to fp8 noise, not bitwise (docs/sparse_mla_notes.md, "Running max").
 //
 // Warp roles (384 threads, one CTA per SM, ~225 KB shared memory):
 //   WG0 producer  warps 0-1 gather each tile's 64 rows with 16-byte cp.async (zero-fill for -1
@@ -257,7 +258,7 @@ __device__ __forceinline__ void consumer(Fp8Smem& sm, const DsaSparseMlaParams& 
   for (int i = 0; i < kVHalf / 2; ++i) o[i] = 0.f;
 #pragma unroll
   for (int i = 0; i < 32; ++i) s_acc[i] = 0.f;
-  float m_run[2] = {-INFINITY, -INFINITY};  // running max of the log2-domain scores, rounded up to an integer
+  float m_run[2] = {-INFINITY, -INFINITY};  // running max of the log2-domain scores
   float l_run[2] = {0.f, 0.f};              // this thread's partial of sum 2^(z - m + 8)
   uint32_t pa[2][4];                        // P of the tile, e4m3, wgmma A fragments per 32 keys
 
@@ -315,8 +316,8 @@ __device__ __forceinline__ void consumer(Fp8Smem& sm, const DsaSparseMlaParams& 
     for (int rh = 0; rh < 2; ++rh) {
       mx[rh] = fmaxf(mx[rh], __shfl_xor_sync(0xffffffffu, mx[rh], 1));
       mx[rh] = fmaxf(mx[rh], __shfl_xor_sync(0xffffffffu, mx[rh], 2));
-      // f > 0: -inf stays -inf. ceil: P under this max and under any other (a split's) differ by 2^n
-      const float m_new = ceilf(fmaxf(m_run[rh], mx[rh] * f[rh]));
+      // exact max, not rounded: the dominant P stays exactly 2^8 in e4m3 (docs/sparse_mla_notes.md)
+      const float m_new = fmaxf(m_run[rh], mx[rh] * f[rh]);  // f > 0: -inf stays -inf
       alpha[rh] = m_run[rh] == -INFINITY ? 0.f : ex2(m_run[rh] - m_new);
       bias[rh] = m_new == -INFINITY ? 0.f : kPOffset - m_new;
       m_run[rh] = m_new;
@@ -400,7 +401,7 @@ __device__ __forceinline__ void consumer(Fp8Smem& sm, const DsaSparseMlaParams& 
     l += __shfl_xor_sync(0xffffffffu, l, 1);
     l += __shfl_xor_sync(0xffffffffu, l, 2);
     if (!row_ok[rh]) continue;
-    const bool empty = l == 0.f;  // no valid slot (a valid key contributes >= 2^7)
+    const bool empty = l == 0.f;  // no valid slot (a valid key contributes 2^8)
     const float scale = empty ? 0.f : p.kv_scale / l;
     const float lse = empty ? -INFINITY : (m_run[rh] - kPOffset + log2f(l)) * kLn2;
     // re-derived here rather than kept live through the main loop (the consumer is at its register cap)
