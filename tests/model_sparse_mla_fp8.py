@@ -41,32 +41,11 @@ import ref_sparse_mla as R  # noqa: E402
 SM_SCALE = 0.1352  # as the kernel test
 
 
-def make_case(seed, tokens, heads, topk, num_pages, *, invalid_frac=0.0, empty_tokens=(), pad_tail=0,
-              score_std=1.5, dead_range=None):
-    """test_kernels_sparse_mla.make_case with a CPU generator (fp8 pool only)."""
-    g = torch.Generator().manual_seed(seed)
-    n_slots = num_pages * R.PAGE_SIZE
-    kv = torch.randn(n_slots, R.MLA_DIM, generator=g)
-    kv[:, R.MLA_V_DIM:] *= 2.0
-    kv[:, :8] *= 6.0
-    kv_bf16 = kv.to(torch.bfloat16)
-    kv_scale = float(kv_bf16.float().abs().max()) / R.FP8_MAX
-    pool8 = (kv_bf16.float() / kv_scale).clamp(-R.FP8_MAX, R.FP8_MAX).to(torch.float8_e4m3fn)
-    pool8 = pool8.view(torch.uint8).view(num_pages, R.PAGE_SIZE, R.MLA_DIM)
-    slots = torch.stack([torch.randperm(n_slots, generator=g)[:topk] for _ in range(tokens)]).to(torch.int32)
-    if invalid_frac > 0:
-        slots = slots.masked_fill(torch.rand(tokens, topk, generator=g) < invalid_frac, -1)
-    if pad_tail:
-        slots[:, topk - pad_tail:] = -1
-    if dead_range is not None:
-        slots[:, dead_range[0]:dead_range[1]] = -1
-    for t in empty_tokens:
-        slots[t] = -1
-    kv_rms = float(kv_bf16.float().pow(2).mean().sqrt())
-    q_std = score_std / (SM_SCALE * math.sqrt(R.MLA_DIM) * kv_rms)
-    head_gain = torch.rand(heads, 1, generator=g) + 0.5
-    q = (torch.randn(tokens, heads, R.MLA_DIM, generator=g) * q_std * head_gain).to(torch.bfloat16)
-    return dict(q=q, pool8=pool8, slots=slots.contiguous(), kv_scale=kv_scale)
+def make_case(seed, tokens, heads, topk, num_pages, **kw):
+    """The kernel test's inputs (test_kernels_sparse_mla.make_case) from a CPU generator."""
+    from test_kernels_sparse_mla import make_case as test_case
+
+    return test_case(seed, tokens, heads, topk, num_pages, device="cpu", **kw)
 
 
 def _trunc(x: torch.Tensor, bits: int) -> torch.Tensor:

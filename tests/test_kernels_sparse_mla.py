@@ -51,14 +51,16 @@ def K():
 # ---------------------------------------------------------------- inputs
 def make_case(seed: int, tokens: int, heads: int, topk: int, num_pages: int, *, invalid_frac: float = 0.0,
               empty_tokens: tuple[int, ...] = (), pad_tail: int = 0, score_std: float = 1.5,
-              q_strides: tuple[int, int] | None = None, dead_range: tuple[int, int] | None = None):
+              q_strides: tuple[int, int] | None = None, dead_range: tuple[int, int] | None = None,
+              device: str = DEV):
     """Random pool / q / slots (never zeros). Slots: distinct random rows scattered over the whole pool
     (as top-k yields), a random fraction set to -1, the last `pad_tail` set to -1 (fewer candidates
     than k), whole rows -1 for `empty_tokens`, keys [a, b) of every row -1 for `dead_range` (a whole
-    split-KV chunk without a valid slot)."""
-    g = torch.Generator(device=DEV).manual_seed(seed)
+    split-KV chunk without a valid slot). `device`: cpu for tests/model_sparse_mla_fp8.py (same
+    distribution, other values)."""
+    g = torch.Generator(device=device).manual_seed(seed)
     n_slots = num_pages * R.PAGE_SIZE
-    kv = torch.randn(n_slots, R.MLA_DIM, generator=g, device=DEV)
+    kv = torch.randn(n_slots, R.MLA_DIM, generator=g, device=device)
     kv[:, R.MLA_V_DIM:] *= 2.0  # rope part is not normalised
     kv[:, :8] *= 6.0            # a few outlier channels, as in real latents
     kv_bf16 = kv.to(torch.bfloat16)
@@ -66,10 +68,10 @@ def make_case(seed: int, tokens: int, heads: int, topk: int, num_pages: int, *, 
     pool8 = (kv_bf16.float() / kv_scale).clamp(-R.FP8_MAX, R.FP8_MAX).to(torch.float8_e4m3fn)
     pool8 = pool8.view(torch.uint8).view(num_pages, R.PAGE_SIZE, R.MLA_DIM)
     pool16 = kv_bf16.view(num_pages, R.PAGE_SIZE, R.MLA_DIM)
-    slots = torch.stack([torch.randperm(n_slots, generator=g, device=DEV)[:topk] for _ in range(tokens)])
+    slots = torch.stack([torch.randperm(n_slots, generator=g, device=device)[:topk] for _ in range(tokens)])
     slots = slots.to(torch.int32)
     if invalid_frac > 0:
-        drop = torch.rand(tokens, topk, generator=g, device=DEV) < invalid_frac
+        drop = torch.rand(tokens, topk, generator=g, device=device) < invalid_frac
         slots = slots.masked_fill(drop, -1)
     if pad_tail:
         slots[:, topk - pad_tail:] = -1
@@ -80,11 +82,11 @@ def make_case(seed: int, tokens: int, heads: int, topk: int, num_pages: int, *, 
     # score std ~ score_std: sm_scale * |q| |kv| / sqrt(576) per unit-variance pair
     kv_rms = float(kv_bf16.float().pow(2).mean().sqrt())
     q_std = score_std / (SM_SCALE * math.sqrt(R.MLA_DIM) * kv_rms)
-    head_gain = torch.rand(heads, 1, generator=g, device=DEV) + 0.5
-    q = torch.randn(tokens, heads, R.MLA_DIM, generator=g, device=DEV) * q_std * head_gain
+    head_gain = torch.rand(heads, 1, generator=g, device=device) + 0.5
+    q = torch.randn(tokens, heads, R.MLA_DIM, generator=g, device=device) * q_std * head_gain
     if q_strides is not None:  # non-contiguous q: a strided view into a larger buffer
         st_tok, st_head = q_strides
-        buf = torch.randn(tokens * st_tok + 64, generator=g, device=DEV).to(torch.bfloat16)
+        buf = torch.randn(tokens * st_tok + 64, generator=g, device=device).to(torch.bfloat16)
         qv = buf.as_strided((tokens, heads, R.MLA_DIM), (st_tok, st_head, 1), 8)
         qv.copy_(q.to(torch.bfloat16))
         q = qv
