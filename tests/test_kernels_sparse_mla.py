@@ -167,8 +167,8 @@ def SPLIT_VS_UNSPLIT_TOLS(score_std: float) -> tuple[float, float, float]:  # no
     """(rel_fro, row_rel, lse_atol) for a split run's out / lse against the unsplit run of the same inputs
     (check_same_as_unsplit). CPU model, (split model kernel) vs (unsplit model kernel), every split run of
     the full model run above (14 / 13 bits, 10 seeds): out rel max 1.3e-2, worst row 0.041; lse max abs
-    3.8e-6. out is ~3x the tier-1 noise (two independent e4m3 roundings of the non-dominant P, plus the H200's accumulation noise that the model
-    underestimates ~2x): rel 3e-2 (2.3x), rows 0.06 * std (0.09 at std 1.5: 2.2x); lse 1e-4 abs, 1e-5 rel
+    3.8e-6. out is ~3x the tier-1 noise (two independent e4m3 roundings of the non-dominant P, plus the
+    H200's accumulation noise that the model underestimates ~2x): rel 3e-2 (2.3x), rows 0.06 * std (0.09 at std 1.5: 2.2x); lse 1e-4 abs, 1e-5 rel
     (26x: fp32 order and ex2.approx only). A missing or doubled tile or a wrong combine weight is >= 3e-2
     on lse and O(1e-1) on out."""
     return 3e-2, 0.06 * score_std, 1e-4
