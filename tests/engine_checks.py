@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 STEPS = 32
@@ -9,14 +11,17 @@ PROMPTS = ["Hello", "The quick brown fox jumps over the lazy dog because", "Once
            "by the sea, there lived an old fisherman who every morning walked down to the harbour and"]
 
 
-def teacher_forced_greedy(engine_dir, tiny_ckpt, device: str, dtype: torch.dtype, steps_per_prompt: int = STEPS):
-    """Teacher-forced greedy decoding, compiled engine vs the eager network with the same operators
-    (the reference path; on the GPU our CUDA kernels): each prompt's prefill, then decode steps fed
-    the eager network's own greedy tokens. Per step the logits must agree to bf16 noise and the greedy token
-    must be the same, except where the reference's top-2 margin is inside twice that step's measured
-    |logit difference| (a near tie that bf16 fusion may flip; counted and printed, at most 1 in 8).
-    Free-running token streams are not compared: one flipped near tie changes every later token.
-    Returns (steps, same token, near ties, worst logits rel. L2)."""
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm()).item()
+
+
+def teacher_forced_steps(engine_dir, tiny_ckpt, device: str, dtype: torch.dtype, steps_per_prompt: int = STEPS):
+    """Teacher-forced greedy decoding of PROMPTS: each prompt's prefill, then decode steps fed the
+    eager network's own greedy tokens, through the compiled engine and the eager network with the
+    same operators (on the GPU our CUDA kernels), each on its own paged caches. Below fp32 an fp32
+    eager network (its own caches; ops without a kernel for fp32 run the plain-torch reference)
+    runs beside them as the precision reference. Yields one dict per step: prompt, pos, compiled /
+    eager / ref logits (fp32, last position)."""
     from dsa_trt.export.checkpoint import Checkpoint
     from dsa_trt.export.program import build_network
     from dsa_trt.plugins.pools import allocate_pools
@@ -27,37 +32,78 @@ def teacher_forced_greedy(engine_dir, tiny_ckpt, device: str, dtype: torch.dtype
     engine = Engine.load(engine_dir)
     cfg = engine.config
     ckpt = Checkpoint(tiny_ckpt)
-    nets = {d: build_network(ckpt, cfg.cache_mode, dtype, cfg.kv_scales, dense_prefill=d, device=device)
-            for d in (0, 1)}
+    dtypes = [dtype] + ([torch.float32] if dtype != torch.float32 else [])
+    nets = {(dt, d): build_network(ckpt, cfg.cache_mode, dt, cfg.kv_scales, dense_prefill=d, device=device)
+            for dt in dtypes for d in (0, 1)}
     tok = Tokenizer(ckpt.tokenizer_path, cfg.model.bos_token_id, cfg.model.eos_token_id)
-    pools_c = allocate_pools(cfg.model, cfg.cache_mode, 16, device=device)
-    pools_e = allocate_pools(cfg.model, cfg.cache_mode, 16, device=device)
-    steps = agree = near_ties = 0
-    worst_rel = 0.0
+    pools = {k: allocate_pools(cfg.model, cfg.cache_mode, 16, device=device) for k in ["compiled"] + dtypes}
     for i, prompt in enumerate(PROMPTS):
         ids = tok.encode(prompt)
         pages = [2 * i, 2 * i + 1]  # 64-token pages, scattered per prompt; prompt + 32 steps < 128
         feed, pos = ids, 0
         for _ in range(steps_per_prompt + 1):
             step = StepInputs.build([(feed, pos, pages)], cfg.model.index_topk, device=device)
-            got = engine.forward(step, *pools_c)[-1].float()
+            rec = {"prompt": i, "pos": pos, "compiled": engine.forward(step, *pools["compiled"])[-1].float()}
             with torch.no_grad():
-                want = nets[step.dense_prefill](*step.as_tuple(), *pools_e)[-1].float()
-            diff = (got - want).abs().max().item()
-            rel = ((got - want).norm() / want.norm()).item()
-            worst_rel = max(worst_rel, rel)
-            assert rel < 3e-2, f"prompt {i} pos {pos}: compiled vs eager logits rel. L2 {rel:.3g} (max |diff| {diff:.3g})"
-            top2 = torch.topk(want, 2)
-            margin = (top2.values[0] - top2.values[1]).item()
-            steps += 1
-            if got.argmax().item() == top2.indices[0].item():
-                agree += 1
-            elif margin <= 2 * diff:
-                near_ties += 1
-            else:
-                raise AssertionError(f"prompt {i} pos {pos}: greedy token {got.argmax().item()} vs reference "
-                                     f"{top2.indices[0].item()} with a top-2 margin {margin:.3g} > 2 x |diff| {diff:.3g}")
+                for dt in dtypes:
+                    out = nets[(dt, step.dense_prefill)](*step.as_tuple(), *pools[dt])[-1].float()
+                    rec["eager" if dt == dtype else "ref"] = out
+            token = rec["eager"].argmax().item()
+            yield rec
             pos += len(feed)
-            feed = [top2.indices[0].item()]  # teacher forcing: the reference's greedy token
-    assert near_ties * 8 <= steps, f"{near_ties} of {steps} steps flipped near ties: more than bf16 noise explains"
-    return steps, agree, near_ties, worst_rel
+            feed = [token]  # teacher forcing: the eager network's greedy token
+
+
+def teacher_forced_greedy(engine_dir, tiny_ckpt, device: str, dtype: torch.dtype, steps_per_prompt: int = STEPS,
+                          report=None):
+    """Compiled engine vs the eager network, teacher-forced (teacher_forced_steps).
+
+    Logits: in fp32 the two must agree to 3e-2 rel. L2 per step (fp8 cache bytes may round across an
+    e4m3 boundary). Below fp32 the noise floor is measured, not guessed: both are compared with the
+    fp32 network, and the compiled engine's RMS rel. L2 error over all steps may be at most 1.5x the
+    eager network's (fusion changes roundings, not their size); per step, compiled vs eager stays
+    within 3x the eager network's worst step error.
+    Tokens: the greedy token must equal the eager one, except where the eager top-2 margin is inside
+    twice that step's max |logit difference| (a near tie that rounding may flip; at most 1 in 8).
+    Free-running token streams are not compared: one flipped near tie changes every later token.
+    ``report(rec)`` sees each step's numbers. Returns a dict of the totals."""
+    recs = []
+    for rec in teacher_forced_steps(engine_dir, tiny_ckpt, device, dtype, steps_per_prompt):
+        got, want = rec.pop("compiled"), rec.pop("eager")
+        ref = rec.pop("ref", None)
+        top2 = torch.topk(want, 2)
+        rec.update(rel=_rel(got, want), diff=(got - want).abs().max().item(),
+                   margin=(top2.values[0] - top2.values[1]).item(),
+                   same=got.argmax().item() == top2.indices[0].item(), token=top2.indices[0].item(),
+                   got_token=got.argmax().item())
+        if ref is not None:
+            rec.update(err_compiled=_rel(got, ref), err_eager=_rel(want, ref))
+        if report:
+            report(rec)
+        recs.append(rec)
+    where = lambda r: f"prompt {r['prompt']} pos {r['pos']}"  # noqa: E731
+    out = {"steps": len(recs), "same": sum(r["same"] for r in recs), "worst_rel": max(r["rel"] for r in recs)}
+    if dtype == torch.float32:
+        for r in recs:
+            assert r["rel"] < 3e-2, f"{where(r)}: compiled vs eager logits rel. L2 {r['rel']:.3g}"
+    else:
+        rms = lambda key: math.sqrt(sum(r[key] ** 2 for r in recs) / len(recs))  # noqa: E731
+        out.update(rms_compiled=rms("err_compiled"), rms_eager=rms("err_eager"),
+                   worst_eager=max(r["err_eager"] for r in recs))
+        assert out["rms_compiled"] <= 1.5 * out["rms_eager"], (
+            f"compiled engine's RMS logits error vs the fp32 network {out['rms_compiled']:.3g} > 1.5 x the eager "
+            f"{dtype} network's {out['rms_eager']:.3g}")
+        for r in recs:
+            assert r["rel"] <= 3 * out["worst_eager"], (
+                f"{where(r)}: compiled vs eager logits rel. L2 {r['rel']:.3g} > 3 x the eager network's worst "
+                f"error vs fp32 ({out['worst_eager']:.3g})")
+    near_ties = 0
+    for r in recs:
+        if not r["same"]:
+            assert r["margin"] <= 2 * r["diff"], (
+                f"{where(r)}: greedy token {r['got_token']} vs eager {r['token']} with a top-2 margin "
+                f"{r['margin']:.3g} > 2 x |diff| {r['diff']:.3g}")
+            near_ties += 1
+    assert near_ties * 8 <= len(recs), f"{near_ties} of {len(recs)} steps flipped near ties: more than rounding explains"
+    out["near_ties"] = near_ties
+    return out

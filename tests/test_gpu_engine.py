@@ -37,10 +37,17 @@ def _greedy(llm, prompts=PROMPTS, steps=STEPS):
 
 
 def test_compiled_engine_matches_gpu_reference(gpu_engine, tiny_ckpt, capsys):
-    steps, agree, near_ties, worst_rel = teacher_forced_greedy(gpu_engine, tiny_ckpt, "cuda", torch.bfloat16)
+    def report(r):
+        with capsys.disabled():
+            print(f"[gpu-step] prompt {r['prompt']} pos {r['pos']:3d}: compiled vs eager rel {r['rel']:.3g} "
+                  f"max|diff| {r['diff']:.3g} margin {r['margin']:.3g} same {r['same']}; vs fp32: compiled "
+                  f"{r['err_compiled']:.3g} eager {r['err_eager']:.3g}")
+
+    t = teacher_forced_greedy(gpu_engine, tiny_ckpt, "cuda", torch.bfloat16, report=report)
     with capsys.disabled():
-        print(f"\n[gpu] compiled vs eager GPU network, teacher-forced greedy: {agree}/{steps} steps same token, "
-              f"{near_ties} near ties; worst logits rel. L2 {worst_rel:.3g}")
+        print(f"\n[gpu] compiled vs eager GPU network, teacher-forced greedy: {t['same']}/{t['steps']} steps same "
+              f"token, {t['near_ties']} near ties; logits rel. L2 vs the fp32 network, RMS over steps: compiled "
+              f"{t['rms_compiled']:.3g}, eager {t['rms_eager']:.3g}; worst compiled vs eager {t['worst_rel']:.3g}")
 
 
 def test_cuda_graph_decode_equals_eager(gpu_engine, capsys):
