@@ -1,18 +1,22 @@
 """Whole DSA decode attention per layer (indexer logits + top-k/translate + sparse MLA, s_q=1) on
 the paged fp8 caches, beside FlashMLA's dense decode on the same H200 (h200_peer_anchors.md).
 
-    python benchmarks/bench_dsa_decode.py [--batches 1 128] [--context 131072]
+    python benchmarks/bench_dsa_decode.py [--batches 1 128] [--context 131072] [--iters 20]
 
-Timed as one CUDA graph of the three ops (events, median of 30, pools scattered at random).
+Every column (each piece alone, the two-kernel chain, and the chain through indexer_topk's auto
+path, fused or two-kernel by its cost model) is its own CUDA graph, timed by replay after an L2
+flush (timing.time_us: events, median of --iters, pools scattered at random). The plan that
+indexer_topk chose for each batch is printed under the table.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 
 import torch
 
-from timing import time_eager_us
+from timing import time_us
 
 from dsa_trt.config import PAGE_SIZE
 from dsa_trt.plugins import cuda_ops
@@ -27,11 +31,18 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 128])
     ap.add_argument("--context", type=int, default=131072)
+    ap.add_argument("--iters", type=int, default=20)
     a = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("bench_dsa_decode: needs a CUDA GPU (Hopper, sm_90a) and `make kernels`; none is visible here")
     cuda_ops.load("cuda")
     dev = "cuda"
-    print("| batch | context | logits µs | top-k µs | sparse MLA µs | DSA total µs | FlashMLA dense µs | peers' pieces µs | target µs |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
+    plans = []
+    print("| batch | context | logits µs | top-k µs | logits+top-k fused op µs | sparse MLA µs | "
+          "DSA total (two kernels) µs | DSA total (indexer_topk auto) µs | FlashMLA dense µs | "
+          "peers' pieces µs | target µs |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for b in a.batches:
         pages = a.context // PAGE_SIZE
         num_pages = b * pages
@@ -47,25 +58,31 @@ def main() -> None:
         ops = torch.ops.dsa
         logits = ops.indexer_logits(q_i, w, idx_pool, table, req, lens)
         slots = ops.topk_translate(logits, lens, table, req, TOPK)
-        t_logits = time_eager_us(lambda: ops.indexer_logits(q_i, w, idx_pool, table, req, lens))
-        t_topk = time_eager_us(lambda: ops.topk_translate(logits, lens, table, req, TOPK))
-        t_mla = time_eager_us(lambda: ops.sparse_mla(q, mla_pool, slots, 0.01, 0.1352))
+        t_logits = time_us(lambda: ops.indexer_logits(q_i, w, idx_pool, table, req, lens), flush, a.iters)
+        t_topk = time_us(lambda: ops.topk_translate(logits, lens, table, req, TOPK), flush, a.iters)
+        t_fused = time_us(lambda: cuda_ops.indexer_topk(q_i, w, idx_pool, table, req, lens, TOPK), flush, a.iters)
+        t_mla = time_us(lambda: ops.sparse_mla(q, mla_pool, slots, 0.01, 0.1352), flush, a.iters)
 
         def chain():
             lg = ops.indexer_logits(q_i, w, idx_pool, table, req, lens)
             sl = ops.topk_translate(lg, lens, table, req, TOPK)
             return ops.sparse_mla(q, mla_pool, sl, 0.01, 0.1352)
 
-        g = torch.cuda.CUDAGraph()
-        chain()
-        with torch.cuda.graph(g):
-            chain()
-        total = time_eager_us(g.replay, iters=30)
-        print(f"| {b} | {a.context} | {t_logits:.1f} | {t_topk:.1f} | {t_mla:.1f} | {total:.1f} | "
-              f"{DENSE_FLASHMLA_US.get(b, float('nan'))} | {PEERS_PIECES_US.get(b, float('nan'))} | "
-              f"{TARGET_US.get(b, float('nan'))} |", flush=True)
+        def chain_auto():
+            sl = cuda_ops.indexer_topk(q_i, w, idx_pool, table, req, lens, TOPK)
+            return ops.sparse_mla(q, mla_pool, sl, 0.01, 0.1352)
+
+        total = time_us(chain, flush, a.iters)
+        total_auto = time_us(chain_auto, flush, a.iters)
+        plans.append((b, cuda_ops.indexer_topk_plan(q_i, w, idx_pool, table, req, lens, TOPK)))
+        print(f"| {b} | {a.context} | {t_logits:.1f} | {t_topk:.1f} | {t_fused:.1f} | {t_mla:.1f} | {total:.1f} | "
+              f"{total_auto:.1f} | {DENSE_FLASHMLA_US.get(b, float('nan'))} | "
+              f"{PEERS_PIECES_US.get(b, float('nan'))} | {TARGET_US.get(b, float('nan'))} |", flush=True)
         del idx_pool, mla_pool, logits, slots
         torch.cuda.empty_cache()
+    print()
+    for b, plan in plans:
+        print(f"indexer_topk plan, batch {b}: {plan}")
 
 
 if __name__ == "__main__":

@@ -109,12 +109,14 @@ def indexer_logits(q, weights, keys_pages, page_table, req_idx, seq_lens, absolu
 
 
 # ---------------------------------------------------------------- top-k + translation checks
-def check_topk(logits, lengths, page_table, req_idx, k: int, slots, indices) -> None:
+def check_topk(logits, lengths, page_table, req_idx, k: int, slots, indices, lowest_ties: bool = False) -> None:
     """Asserts the spec of fused top-k + translation; raises AssertionError naming row and reason.
 
     Set semantics: for rows with L > k, k distinct positions in [0, L), every selected value >= the
-    k-th largest, and every value strictly above it selected. Rows with L <= k: positions 0..L-1 in
-    some order, then -1. slots: exactly page_table[req, p // 64] * 64 + p % 64 of the indices.
+    k-th largest, and every value strictly above it selected; with lowest_ties, the values equal to
+    the k-th largest that are selected are the ones at the lowest positions (our kernels' rule).
+    Rows with L <= k: positions 0..L-1 in some order, then -1. slots: exactly
+    page_table[req, p // 64] * 64 + p % 64 of the indices.
     """
     rows = logits.shape[0]
     lengths = lengths.long().cpu()
@@ -138,6 +140,11 @@ def check_topk(logits, lengths, page_table, req_idx, k: int, slots, indices) -> 
             above = int((vals > kth).sum())
             assert int((sel > kth).sum()) == above, f"row {r}: {above} values above the k-th, only "\
                 f"{int((sel > kth).sum())} selected"
+            if lowest_ties:
+                tied = (vals == kth).nonzero().flatten()[: k - above]
+                got = idx[sel == kth].sort().values
+                assert torch.equal(got, tied), (f"row {r}: of {int((vals == kth).sum())} values tied at the k-th, "
+                                                f"the {k - above} selected are not the lowest positions")
     # translation, exactly
     pt = page_table.long()
     req = req_idx.long()[:, None].expand_as(idx_all)

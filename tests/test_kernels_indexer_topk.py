@@ -192,6 +192,8 @@ def make_topk_inputs(rows, width, lengths, kind, seed, batch=3, stride_pad=0, co
         logits.copy_(torch.where(keep, logits.abs() + 0.1, torch.zeros_like(logits)))
     elif kind == "levels":  # few distinct values: massive ties at a non-zero threshold
         logits.copy_(torch.randint(0, 5, (rows, width), generator=g, device=DEV).float() * 0.5 - 1.0)
+    elif kind == "dups":  # values on a 1e-3 grid: the k-th value tied a few times, inside one bin
+        logits.copy_((logits * 1000).round() / 1000)
     elif kind == "mostly_ninf":  # 1000 finite values per row, rest -inf
         ninf = torch.rand(rows, width, generator=g, device=DEV) > 1000 / width
         logits.masked_fill_(ninf, float("-inf"))
@@ -221,6 +223,7 @@ TOPK_CASES = [
     ("k1", 4, 3000, [3000, 1, 0, 2], "randn", 1, {}),
     ("k7_ties", 3, 3000, [3000, 3000, 7], "levels", 7, {}),
     ("rows128_32k", 128, 32768, [32768] * 128, "randn", 2048, {}),
+    ("dups_8x128k", 8, 131072, [131072, 131071, 100003, 65536, 4096, 2049, 131072, 77777], "dups", 2048, {}),
 ]
 
 
@@ -231,7 +234,7 @@ def test_topk_translate(K, case):
     slots = torch.full((rows, k), -7, dtype=torch.int32, device=DEV)
     indices = torch.full((rows, k), -7, dtype=torch.int32, device=DEV)
     K.topk_translate(logits, lengths, page_table, req_idx, k, slots=slots, indices=indices)
-    R.check_topk(logits, lengths, page_table, req_idx, k, slots, indices)
+    R.check_topk(logits, lengths, page_table, req_idx, k, slots, indices, lowest_ties=True)
     # determinism and the no-indices path
     slots2 = torch.full_like(slots, -7)
     K.topk_translate(logits, lengths, page_table, req_idx, k, slots=slots2)
