@@ -396,8 +396,8 @@ __device__ __forceinline__ void emit_selected(cg::cluster_group& cluster, const 
 
 // After pass 0 (state: prefix = the threshold bin b, not taken whole): when every CTA's keys in
 // bin b fit its candidate buffer, one sweep of the slice writes the keys above b straight to the
-// output (out[0, k - k_rem), in (rank, position) order) and copies the keys in b, in position
-// order, into the buffer. Returns false (and does nothing) when some CTA's do not fit: the caller
+// output (out[0, k - k_rem), in (rank, position) order; raw positions first, translated after the
+// sweep) and copies the keys in b, in position order, into the buffer. Returns false (and does nothing) when some CTA's do not fit: the caller
 // then sweeps the whole slice in every pass. Cluster-uniform.
 template <int kThreads, class Fetch>
 __device__ __forceinline__ bool compact_first_bin(cg::cluster_group& cluster, const SelectSmem<kThreads>& s,
@@ -466,7 +466,7 @@ __device__ __forceinline__ bool compact_first_bin(cg::cluster_group& cluster, co
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int p = start + 4 * v + e;
-        if (gt_mask & (1u << e)) out.put((int)jg++, p);
+        if (gt_mask & (1u << e)) out.slots[jg++] = p;  // the raw position; translated below
         if (eq_mask & (1u << e)) {
           s.cand_key[je] = kk[e];
           s.cand_pos[je] = p;
@@ -478,7 +478,9 @@ __device__ __forceinline__ bool compact_first_bin(cg::cluster_group& cluster, co
     run_eq += tile_eq;
   }
   n_cand = (int)run_eq;
-  __syncthreads();  // the buffer is complete
+  __syncthreads();  // the buffer is complete, and this CTA's raw positions in out.slots are visible
+  // Translation apart from the sweep: no table load (and its latency) inside the barrier-bound tiles.
+  for (uint32_t j = x.compact[0] + tid; j < run_gt; j += kThreads) out.put((int)j, out.slots[j]);
   return true;
 }
 
