@@ -164,14 +164,8 @@ __global__ void __launch_bounds__(kWgThreads * W, 4 / W)
   // The select's first cluster barrier orders the keys and hist0 before any read; hist1 reuses the
   // q tile only after it (every wgmma of this CTA has completed by then).
 
-  // The page rings are dead after the select's first cluster barrier (every copy has landed):
-  // they hold the threshold-bin candidates.
-  constexpr int kRingBytes = W * kStages * (int)sizeof(Stage);
-  const int cap = min(kRingBytes / 8, ppc * DSA_PAGE_SIZE) / 4 * 4;
-  uint32_t* cand_key = reinterpret_cast<uint32_t*>(base + lay.rings);
   const SelectSmem<kThreads> sm{hist0, reinterpret_cast<uint32_t*>(base), reinterpret_cast<uint32_t*>(base + lay.slice),
-                                reinterpret_cast<SelectScratch<kThreads>*>(base + lay.scratch), cand_key,
-                                reinterpret_cast<int32_t*>(cand_key + cap), cap};
+                                reinterpret_cast<SelectScratch<kThreads>*>(base + lay.scratch)};
   const uint4* keys4 = reinterpret_cast<const uint4*>(keys);
   cluster_select_emit<kThreads, kMaxCluster>(cluster, sm, n_local, start, k, [&](int v) { return keys4[v]; }, out);
 }

@@ -154,8 +154,6 @@ struct SelectScratch {
   uint32_t sel_slice, sel_above;  // slice holding the threshold; count in the slices above it
   uint32_t sel[3];                // threshold search result: bin, k_rem, bin count
   uint32_t totals[2];             // this CTA's (> threshold, == threshold) counts
-  uint32_t first[2];              // after pass 0: this CTA's (above, in) the threshold bin counts
-  uint32_t compact[2];            // after pass 0: keys above the bin in lower ranks; 1 if all fit
   uint32_t scan[2 * (kThreads / 32)];
 };
 
@@ -165,11 +163,6 @@ struct SelectSmem {
   uint32_t* hist1;    // [kBins]: pass 1
   uint32_t* slice;    // [kBins / C]: cluster-wide counts of this CTA's bin slice
   SelectScratch<kThreads>* x;
-  // Optional candidate buffer (local to the CTA, 16-byte aligned, cand_cap a multiple of 4): the
-  // keys of the pass-0 threshold bin and their row positions. NULL / 0: every pass sweeps the slice.
-  uint32_t* cand_key = nullptr;
-  int32_t* cand_pos = nullptr;
-  int cand_cap = 0;
 };
 
 // Where a row's selection goes: slots[j] = page_table[req, pos / 64] * 64 + pos % 64 (-1 for pos
@@ -189,143 +182,133 @@ struct RowOutput {
   }
 };
 
-// Radix-select state, the same in every thread of the cluster: keys match when
-// (key >> shift) == prefix (shift 32: all keys); k_rem of them are still to take.
-struct SelectState {
-  uint32_t prefix = 0;
-  uint32_t k_rem;
-  int shift = 32;
-  bool take_all = false;  // the last threshold bin was taken whole
-};
-
-// This CTA's histogram of digit `pass` over the keys of [0, n) matching the state's prefix.
-template <int kThreads, class Fetch>
-__device__ __forceinline__ void histogram_pass(uint32_t* hist, int pass, const SelectState& st, int n, Fetch fetch) {
-  const int dshift = digit_shift(pass);
-  const uint32_t dmask = digit_mask(pass);
-  for (int i = threadIdx.x; i <= (int)dmask; i += kThreads) hist[i] = 0;
-  __syncthreads();
-  RunHist rh{hist};
-  for (int v = threadIdx.x; v < (n + 3) / 4; v += kThreads) {
-    const uint4 q = fetch(v);
-    const uint32_t kk[4] = {q.x, q.y, q.z, q.w};
-#pragma unroll
-    for (int e = 0; e < 4; ++e)
-      if (4 * v + e < n && (kk[e] >> st.shift) == st.prefix) rh.add((kk[e] >> dshift) & dmask);
-  }
-  rh.flush();
-}
-
-// Given every CTA's complete histogram `hist` of digit `pass`: the cluster-wide threshold bin,
-// folded into the state. Starts and ends with a cluster barrier's worth of ordering.
-template <int kThreads, int kMaxCluster>
-__device__ __forceinline__ void threshold_pass(cg::cluster_group& cluster, const SelectSmem<kThreads>& s,
-                                               const uint32_t* hist, int pass, SelectState& st) {
+// The k (< L, the row's candidate count) largest keys of the row -> out. Called by every thread
+// of every CTA of the cluster. On entry s.hist0 holds this CTA's histogram of key >> 21 over its
+// n_local keys, complete (the first cluster barrier below also orders the caller's writes of the
+// keys and of hist0). fetch(v) returns the keys of local positions [4v, 4v + 4) (elements at or
+// past n_local are ignored). kMaxCluster bounds C (the remote loads in flight per thread).
+template <int kThreads, int kMaxCluster, class Fetch>
+__device__ __forceinline__ void cluster_select_emit(cg::cluster_group& cluster, const SelectSmem<kThreads> s,
+                                                    const int n_local, const int start, const int k,
+                                                    Fetch fetch, const RowOutput& out) {
   const int C = (int)cluster.num_blocks();
   const int rank = (int)cluster.block_rank();
   const int tid = threadIdx.x;
-  const int dshift = digit_shift(pass);
-  const int nbins = (int)digit_mask(pass) + 1;
+  const int nvec = (n_local + 3) / 4;
   SelectScratch<kThreads>& x = *s.x;
-  cluster.sync();  // (A) every CTA's histogram of this pass is complete
 
-  // Reduce-scatter: this CTA sums bins [rank*S, rank*S + S) over the cluster (S/4 threads,
-  // C remote 16-byte loads each, up to 8 in flight).
-  const int S = nbins / C;
-  uint32_t part = 0;
-  if (tid < S / 4) {
-    const uint4* mine = reinterpret_cast<const uint4*>(hist + rank * S) + tid;
-    uint4 acc = make_uint4(0, 0, 0, 0);
-    constexpr int kBatch = kMaxCluster < 8 ? kMaxCluster : 8;
+  uint32_t prefix = 0;      // digits chosen so far
+  uint32_t k_rem = k;       // how many still to take among keys matching the prefix
+  int shift = 32;           // keys match when (key >> shift) == prefix (shift 32: all keys)
+  bool take_all = false;    // the last threshold bin was taken whole
+  for (int pass = 0; pass < kPasses && !take_all; ++pass) {
+    const int dshift = digit_shift(pass);
+    const uint32_t dmask = digit_mask(pass);
+    const int nbins = (int)dmask + 1;
+    uint32_t* hist = (pass & 1) ? s.hist1 : s.hist0;  // others last read it two passes ago, before two barriers
+    if (pass > 0) {
+      for (int i = tid; i < nbins; i += kThreads) hist[i] = 0;
+      __syncthreads();
+      RunHist rh{hist};
+      for (int v = tid; v < nvec; v += kThreads) {
+        const uint4 q = fetch(v);
+        const uint32_t kk[4] = {q.x, q.y, q.z, q.w};
 #pragma unroll
-    for (int r0 = 0; r0 < kMaxCluster; r0 += kBatch) {
-      uint4 v[kBatch];
+        for (int e = 0; e < 4; ++e)
+          if (4 * v + e < n_local && (kk[e] >> shift) == prefix) rh.add((kk[e] >> dshift) & dmask);
+      }
+      rh.flush();
+    }
+    cluster.sync();  // (A) every CTA's histogram of this pass is complete
+
+    // Reduce-scatter: this CTA sums bins [rank*S, rank*S + S) over the cluster (S/4 threads,
+    // C remote 16-byte loads each, up to 8 in flight).
+    const int S = nbins / C;
+    uint32_t part = 0;
+    if (tid < S / 4) {
+      const uint4* mine = reinterpret_cast<const uint4*>(hist + rank * S) + tid;
+      uint4 acc = make_uint4(0, 0, 0, 0);
+      constexpr int kBatch = kMaxCluster < 8 ? kMaxCluster : 8;
 #pragma unroll
-      for (int j = 0; j < kBatch; ++j)  // all remote loads of the batch in flight before the sums
-        if (r0 + j < C) v[j] = ld_cluster_v4(cluster_addr(mine, r0 + j));
+      for (int r0 = 0; r0 < kMaxCluster; r0 += kBatch) {
+        uint4 v[kBatch];
 #pragma unroll
-      for (int j = 0; j < kBatch; ++j) {
-        if (r0 + j < C) {
-          acc.x += v[j].x;
-          acc.y += v[j].y;
-          acc.z += v[j].z;
-          acc.w += v[j].w;
+        for (int j = 0; j < kBatch; ++j)  // all remote loads of the batch in flight before the sums
+          if (r0 + j < C) v[j] = ld_cluster_v4(cluster_addr(mine, r0 + j));
+#pragma unroll
+        for (int j = 0; j < kBatch; ++j) {
+          if (r0 + j < C) {
+            acc.x += v[j].x;
+            acc.y += v[j].y;
+            acc.z += v[j].z;
+            acc.w += v[j].w;
+          }
         }
       }
+      reinterpret_cast<uint4*>(s.slice)[tid] = acc;
+      part = acc.x + acc.y + acc.z + acc.w;
     }
-    reinterpret_cast<uint4*>(s.slice)[tid] = acc;
-    part = acc.x + acc.y + acc.z + acc.w;
-  }
-  const uint32_t slice_sum = block_suffix_sum<kThreads>(part, x.scan);  // thread 0: the slice total
-  if (tid == 0) x.slice_total = slice_sum;
-  cluster.sync();  // (B) every slice is reduced
+    const uint32_t slice_sum = block_suffix_sum<kThreads>(part, x.scan);  // thread 0: the slice total
+    if (tid == 0) x.slice_total = slice_sum;
+    cluster.sync();  // (B) every slice is reduced
 
-  // Threshold bin: the highest b with count(bins >= b) >= k_rem. First the slice (warp 0 reads
-  // the C totals), then the bin inside it.
-  if (tid < 32) {
-    const uint32_t tot = tid < C ? ld_cluster_u32(cluster_addr(&x.slice_total, tid)) : 0u;
-    uint32_t sx = tot;
+    // Threshold bin: the highest b with count(bins >= b) >= k_rem. First the slice (warp 0 reads
+    // the C totals), then the bin inside it.
+    if (tid < 32) {
+      const uint32_t tot = tid < C ? ld_cluster_u32(cluster_addr(&x.slice_total, tid)) : 0u;
+      uint32_t sx = tot;
 #pragma unroll
-    for (int off = 1; off < 32; off <<= 1) {
-      const uint32_t v = __shfl_down_sync(0xffffffffu, sx, off);
-      if (tid + off < 32) sx += v;
-    }
-    if (tid < C && sx - tot < st.k_rem && st.k_rem <= sx) {
-      x.sel_slice = tid;
-      x.sel_above = sx - tot;
-    }
-  }
-  __syncthreads();
-  const int sl = (int)x.sel_slice;
-  uint4 cnt = make_uint4(0, 0, 0, 0);
-  if (tid < S / 4) cnt = ld_cluster_v4(cluster_addr(reinterpret_cast<const uint4*>(s.slice) + tid, sl));
-  const uint32_t mine = cnt.x + cnt.y + cnt.z + cnt.w;
-  const uint32_t incl = block_suffix_sum<kThreads>(mine, x.scan) + x.sel_above;
-  const uint32_t excl = incl - mine;
-  if (tid < S / 4 && excl < st.k_rem && st.k_rem <= incl) {
-    const uint32_t c4[4] = {cnt.x, cnt.y, cnt.z, cnt.w};
-    uint32_t acc = excl;
-#pragma unroll
-    for (int j = 3; j >= 0; --j) {
-      if (acc < st.k_rem && acc + c4[j] >= st.k_rem) {
-        x.sel[0] = sl * S + 4 * tid + j;
-        x.sel[1] = st.k_rem - acc;
-        x.sel[2] = c4[j];
+      for (int off = 1; off < 32; off <<= 1) {
+        const uint32_t v = __shfl_down_sync(0xffffffffu, sx, off);
+        if (tid + off < 32) sx += v;
       }
-      acc += c4[j];
+      if (tid < C && sx - tot < k_rem && k_rem <= sx) {
+        x.sel_slice = tid;
+        x.sel_above = sx - tot;
+      }
     }
+    __syncthreads();
+    const int sl = (int)x.sel_slice;
+    uint4 cnt = make_uint4(0, 0, 0, 0);
+    if (tid < S / 4) cnt = ld_cluster_v4(cluster_addr(reinterpret_cast<const uint4*>(s.slice) + tid, sl));
+    const uint32_t mine = cnt.x + cnt.y + cnt.z + cnt.w;
+    const uint32_t incl = block_suffix_sum<kThreads>(mine, x.scan) + x.sel_above;
+    const uint32_t excl = incl - mine;
+    if (tid < S / 4 && excl < k_rem && k_rem <= incl) {
+      const uint32_t c4[4] = {cnt.x, cnt.y, cnt.z, cnt.w};
+      uint32_t acc = excl;
+#pragma unroll
+      for (int j = 3; j >= 0; --j) {
+        if (acc < k_rem && acc + c4[j] >= k_rem) {
+          x.sel[0] = sl * S + 4 * tid + j;
+          x.sel[1] = k_rem - acc;
+          x.sel[2] = c4[j];
+        }
+        acc += c4[j];
+      }
+    }
+    __syncthreads();
+    const uint32_t bin = x.sel[0];
+    k_rem = x.sel[1];
+    prefix = (shift == 32 ? 0u : prefix << (shift - dshift)) | bin;
+    shift = dshift;
+    take_all = (x.sel[2] == k_rem);
+    __syncthreads();  // x.sel / x.sel_* are rewritten by the next pass
   }
-  __syncthreads();
-  const uint32_t bin = x.sel[0];
-  st.k_rem = x.sel[1];
-  st.prefix = (st.shift == 32 ? 0u : st.prefix << (st.shift - dshift)) | bin;
-  st.shift = dshift;
-  st.take_all = (x.sel[2] == st.k_rem);
-  __syncthreads();  // x.sel / x.sel_* are rewritten by the next pass
-}
 
-// Output of the keys of [0, n) (this CTA's part of the row's key set K, positions pos(i) ascending
-// in i, CTAs in rank order) once the select has finished: the n_want - k_rem keys of K with
-// (key >> shift) > prefix go to out[j0, j0 + n_want - k_rem) in (rank, thread, element) order;
-// the first k_rem keys equal to it, in position order, go to [j0 + n_want - k_rem, j0 + n_want).
-template <int kThreads, class Fetch, class Pos>
-__device__ __forceinline__ void emit_selected(cg::cluster_group& cluster, const SelectSmem<kThreads>& s, int n,
-                                              Fetch fetch, Pos pos, const SelectState& st, uint32_t j0,
-                                              uint32_t n_want, const RowOutput& out) {
-  const int rank = (int)cluster.block_rank();
-  const int tid = threadIdx.x;
-  const int nvec = (n + 3) / 4;
-  SelectScratch<kThreads>& x = *s.x;
+  // Output: the k - k_rem keys with (key >> shift) > prefix go to [0, k - k_rem) in (rank,
+  // thread, element) order; the first k_rem keys equal to it in position order go to
+  // [k - k_rem, k).
   uint32_t n_gt = 0, n_eq = 0;
   for (int v = tid; v < nvec; v += kThreads) {
     const uint4 q = fetch(v);
     const uint32_t kk[4] = {q.x, q.y, q.z, q.w};
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      if (4 * v + e < n) {
-        const uint32_t hi = kk[e] >> st.shift;
-        n_gt += hi > st.prefix;
-        n_eq += hi == st.prefix;
+      if (4 * v + e < n_local) {
+        const uint32_t hi = kk[e] >> shift;
+        n_gt += hi > prefix;
+        n_eq += hi == prefix;
       }
     }
   }
@@ -341,24 +324,23 @@ __device__ __forceinline__ void emit_selected(cg::cluster_group& cluster, const 
     base_gt += ld_cluster_u32(cluster_addr(&x.totals[0], r));
     base_eq += ld_cluster_u32(cluster_addr(&x.totals[1], r));
   }
-  const uint32_t k_rem = st.k_rem;
-  const uint32_t n_take_gt = j0 + n_want - k_rem;  // where the ties start
+  const uint32_t n_take_gt = (uint32_t)k - k_rem;
   // This CTA's tied keys are ranks [base_eq, base_eq + cta_eq) of the row's ties (positions
   // ascending across CTAs); the row takes ranks [0, k_rem).
   const uint32_t need_eq = base_eq >= k_rem ? 0u : min(k_rem - base_eq, cta_eq);
   const bool eq_all = need_eq == cta_eq;  // none or all of them: any order inside the CTA
-  uint32_t j_gt = j0 + base_gt + off_gt, j_eq = n_take_gt + base_eq + off_eq;
+  uint32_t j_gt = base_gt + off_gt, j_eq = n_take_gt + base_eq + off_eq;
   for (int v = tid; v < nvec; v += kThreads) {
     const uint4 q = fetch(v);
     const uint32_t kk[4] = {q.x, q.y, q.z, q.w};
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      if (4 * v + e < n) {
-        const uint32_t hi = kk[e] >> st.shift;
-        if (hi > st.prefix) {
-          out.put((int)j_gt++, pos(4 * v + e));
-        } else if (eq_all && hi == st.prefix) {
-          out.put((int)j_eq++, pos(4 * v + e));
+      if (4 * v + e < n_local) {
+        const uint32_t hi = kk[e] >> shift;
+        if (hi > prefix) {
+          out.put((int)j_gt++, start + 4 * v + e);
+        } else if (eq_all && hi == prefix) {
+          out.put((int)j_eq++, start + 4 * v + e);
         }
       }
     }
@@ -373,7 +355,7 @@ __device__ __forceinline__ void emit_selected(cg::cluster_group& cluster, const 
         const uint32_t kk[4] = {q.x, q.y, q.z, q.w};
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          if (4 * v + e < n && (kk[e] >> st.shift) == st.prefix) {
+          if (4 * v + e < n_local && (kk[e] >> shift) == prefix) {
             eq_mask |= 1u << e;
             ++n_tile;
           }
@@ -385,138 +367,12 @@ __device__ __forceinline__ void emit_selected(cg::cluster_group& cluster, const 
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         if (eq_mask & (1u << e)) {
-          if (j < need_eq) out.put((int)(n_take_gt + base_eq + j), pos(4 * v + e));
+          if (j < need_eq) out.put((int)(n_take_gt + base_eq + j), start + 4 * v + e);
           ++j;
         }
       }
       taken += tile_total;
     }
-  }
-}
-
-// After pass 0 (state: prefix = the threshold bin b, not taken whole): when every CTA's keys in
-// bin b fit its candidate buffer, one sweep of the slice writes the keys above b straight to the
-// output (out[0, k - k_rem), in (rank, position) order; raw positions first, translated after the
-// sweep) and copies the keys in b, in position order, into the buffer. Returns false (and does nothing) when some CTA's do not fit: the caller
-// then sweeps the whole slice in every pass. Cluster-uniform.
-template <int kThreads, class Fetch>
-__device__ __forceinline__ bool compact_first_bin(cg::cluster_group& cluster, const SelectSmem<kThreads>& s,
-                                                  int n_local, int start, Fetch fetch, const SelectState& st,
-                                                  const RowOutput& out, int& n_cand) {
-  const int C = (int)cluster.num_blocks();
-  const int rank = (int)cluster.block_rank();
-  const int tid = threadIdx.x;
-  SelectScratch<kThreads>& x = *s.x;
-  const uint32_t bin = st.prefix;
-  uint32_t above = 0;
-  for (int i = tid; i < kBins; i += kThreads)
-    if (i > (int)bin) above += s.hist0[i];  // this CTA's own pass-0 histogram (never overwritten yet)
-  above = block_suffix_sum<kThreads>(above, x.scan);
-  if (tid == 0) {
-    x.first[0] = above;
-    x.first[1] = s.hist0[bin];
-  }
-  cluster.sync();
-  if (tid < 32) {
-    uint32_t a = 0, fits = 1;
-    if (tid < C) {
-      a = ld_cluster_u32(cluster_addr(&x.first[0], tid));
-      fits = ld_cluster_u32(cluster_addr(&x.first[1], tid)) <= (uint32_t)s.cand_cap;
-    }
-    const uint32_t below = tid < rank ? a : 0u;
-    uint32_t sum = below;
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
-    const bool all_fit = __all_sync(0xffffffffu, fits != 0);
-    if (tid == 0) {
-      x.compact[0] = sum;
-      x.compact[1] = all_fit;
-    }
-  }
-  __syncthreads();
-  if (!x.compact[1]) return false;
-  const int nvec = (n_local + 3) / 4;
-  uint32_t run_gt = x.compact[0], run_eq = 0;  // block-uniform
-  for (int v0 = 0; v0 < nvec; v0 += kThreads) {  // tiles in position order
-    const int v = v0 + tid;
-    uint32_t gt_mask = 0, eq_mask = 0, n_gt = 0, n_eq = 0;
-    uint4 q = make_uint4(0, 0, 0, 0);
-    if (v < nvec) {
-      q = fetch(v);
-      const uint32_t kk[4] = {q.x, q.y, q.z, q.w};
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        if (4 * v + e < n_local) {
-          const uint32_t d = kk[e] >> kFirstShift;
-          if (d > bin) {
-            gt_mask |= 1u << e;
-            ++n_gt;
-          } else if (d == bin) {
-            eq_mask |= 1u << e;
-            ++n_eq;
-          }
-        }
-      }
-    }
-    uint32_t off_gt, off_eq, tile_gt, tile_eq;
-    block_excl_scan2<kThreads>(n_gt, n_eq, off_gt, off_eq, tile_gt, tile_eq, x.scan);
-    if (gt_mask | eq_mask) {
-      const uint32_t kk[4] = {q.x, q.y, q.z, q.w};
-      uint32_t jg = run_gt + off_gt, je = run_eq + off_eq;
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int p = start + 4 * v + e;
-        if (gt_mask & (1u << e)) out.slots[jg++] = p;  // the raw position; translated below
-        if (eq_mask & (1u << e)) {
-          s.cand_key[je] = kk[e];
-          s.cand_pos[je] = p;
-          ++je;
-        }
-      }
-    }
-    run_gt += tile_gt;
-    run_eq += tile_eq;
-  }
-  n_cand = (int)run_eq;
-  __syncthreads();  // the buffer is complete, and this CTA's raw positions in out.slots are visible
-  // Translation apart from the sweep: no table load (and its latency) inside the barrier-bound tiles.
-  for (uint32_t j = x.compact[0] + tid; j < run_gt; j += kThreads) out.put((int)j, out.slots[j]);
-  return true;
-}
-
-// The k (< L, the row's candidate count) largest keys of the row -> out. Called by every thread
-// of every CTA of the cluster. On entry s.hist0 holds this CTA's histogram of key >> 21 over its
-// n_local keys, complete (the first cluster barrier below also orders the caller's writes of the
-// keys and of hist0). fetch(v) returns the keys of local positions [4v, 4v + 4) (elements at or
-// past n_local are ignored). kMaxCluster bounds C (the remote loads in flight per thread).
-// With a candidate buffer (SelectSmem::cand_*), passes 1-2 and the output of the threshold bin
-// run on the buffer alone whenever it holds every CTA's part of that bin (compact_first_bin).
-template <int kThreads, int kMaxCluster, class Fetch>
-__device__ __forceinline__ void cluster_select_emit(cg::cluster_group& cluster, const SelectSmem<kThreads> s,
-                                                    const int n_local, const int start, const int k,
-                                                    Fetch fetch, const RowOutput& out) {
-  SelectState st;
-  st.k_rem = (uint32_t)k;
-  threshold_pass<kThreads, kMaxCluster>(cluster, s, s.hist0, 0, st);
-  int n_cand = 0;
-  if (!st.take_all && s.cand_cap > 0 && compact_first_bin<kThreads>(cluster, s, n_local, start, fetch, st, out, n_cand)) {
-    const uint32_t k_first = (uint32_t)k - st.k_rem, n_want = st.k_rem;  // keys above the bin are out
-    const uint4* cand4 = reinterpret_cast<const uint4*>(s.cand_key);
-    auto fetch_cand = [&](int v) { return cand4[v]; };
-    for (int pass = 1; pass < kPasses && !st.take_all; ++pass) {
-      uint32_t* hist = (pass & 1) ? s.hist1 : s.hist0;  // others last read it before two barriers
-      histogram_pass<kThreads>(hist, pass, st, n_cand, fetch_cand);
-      threshold_pass<kThreads, kMaxCluster>(cluster, s, hist, pass, st);
-    }
-    emit_selected<kThreads>(cluster, s, n_cand, fetch_cand, [&](int i) { return (int)s.cand_pos[i]; }, st, k_first,
-                            n_want, out);
-  } else {
-    for (int pass = 1; pass < kPasses && !st.take_all; ++pass) {
-      uint32_t* hist = (pass & 1) ? s.hist1 : s.hist0;  // others last read it two passes ago, before two barriers
-      histogram_pass<kThreads>(hist, pass, st, n_local, fetch);
-      threshold_pass<kThreads, kMaxCluster>(cluster, s, hist, pass, st);
-    }
-    emit_selected<kThreads>(cluster, s, n_local, fetch, [&](int i) { return start + i; }, st, 0u, (uint32_t)k, out);
   }
   cluster.sync();  // no CTA leaves while another may still read its shared memory
 }

@@ -10,10 +10,7 @@
 // row. CTA c owns the slice [c*chunk, (c+1)*chunk) of the row, copies it once into shared memory
 // (when it fits; otherwise every pass re-reads global memory) and builds the first digit's
 // histogram on the way; the cluster select + emit of topk_select.cuh does the rest (shared with
-// the fused indexer_topk.cu): after the first digit, one sweep writes the keys above the threshold
-// bin and copies the bin's keys into a small candidate buffer, and the later digits and the output
-// of the bin run on that buffer (a slice is swept twice instead of four times; when a CTA's part of
-// the bin does not fit, e.g. massive ties, every pass sweeps the slice as before). Among keys equal to the k-th largest, the lowest positions win, so
+// the fused indexer_topk.cu). Among keys equal to the k-th largest, the lowest positions win, so
 // the selected set does not depend on the cluster shape chosen here. No global atomics and no
 // workspace.
 #include "common.cuh"
@@ -25,7 +22,6 @@ using namespace dsa_topk;
 
 constexpr int kThreads = 512;
 constexpr int kCacheCapElems = 40 * 1024;  // slice elements kept in shared memory (160 KB)
-constexpr int kCandCap = 2048;             // threshold-bin candidates kept per CTA (16 KB)
 constexpr int kMaxCluster = 8;             // portable cluster size
 constexpr int kMaxCtasPerSm = 2;           // 512 threads x <= 64 registers
 static_assert(kThreads >= kMinThreadsTimesCluster, "the reduce-scatter needs kThreads * C >= kBins / 4 for C >= 1");
@@ -36,9 +32,6 @@ struct SmemFixed {
   SelectScratch<kThreads> x;
 };
 constexpr size_t kSmemFixedBytes = (sizeof(SmemFixed) + 15) / 16 * 16;
-
-// Candidate buffer entries for a slice of `chunk` keys (a multiple of 4).
-__host__ __device__ constexpr int cand_cap(int chunk) { return chunk < kCandCap ? chunk : kCandCap; }
 
 template <bool kCached>
 __global__ void __launch_bounds__(kThreads, kMaxCtasPerSm) topk_translate_kernel(const DsaTopkTranslateParams p, const int chunk,
@@ -61,7 +54,6 @@ __global__ void __launch_bounds__(kThreads, kMaxCtasPerSm) topk_translate_kernel
   extern __shared__ __align__(16) uint8_t smem_raw[];
   SmemFixed& s = *reinterpret_cast<SmemFixed*>(smem_raw);
   uint4* keys = reinterpret_cast<uint4*>(smem_raw + kSmemFixedBytes);  // cached slice
-  uint32_t* cand_key = reinterpret_cast<uint32_t*>(smem_raw + kSmemFixedBytes + (kCached ? (size_t)chunk * 4 : 0));
 
   const int start = rank * chunk;
   const int n_local = min(max(L - start, 0), chunk);
@@ -124,9 +116,7 @@ __global__ void __launch_bounds__(kThreads, kMaxCtasPerSm) topk_translate_kernel
     rh.flush();
   }
 
-  const int cap = cand_cap(chunk);
-  const SelectSmem<kThreads> sm{s.hist[0], s.hist[1], s.slice, &s.x, cand_key,
-                                reinterpret_cast<int32_t*>(cand_key + cap), cap};
+  const SelectSmem<kThreads> sm{s.hist[0], s.hist[1], s.slice, &s.x};
   cluster_select_emit<kThreads, kMaxCluster>(cluster, sm, n_local, start, k, fetch, out);
 }
 
@@ -153,7 +143,7 @@ Plan make_plan(int64_t rows, int max_len) {
   for (int c = 1; c <= kMaxCluster; c *= 2) {  // C divides the bin counts
     const int chunk = (int)dsa_ceil_div(dsa_ceil_div(max_len, c), 4) * 4;
     const bool cached = chunk <= kCacheCapElems;
-    const size_t smem = kSmemFixedBytes + (cached ? (size_t)chunk * 4 : 0) + (size_t)cand_cap(chunk) * 8;
+    const size_t smem = kSmemFixedBytes + (cached ? (size_t)chunk * 4 : 0);
     int64_t per_sm = kSmemPerSm / (int64_t)(smem + kSmemReservedPerCta);
     per_sm = per_sm < 1 ? 1 : (per_sm > kMaxCtasPerSm ? kMaxCtasPerSm : per_sm);
     const int64_t clusters_per_wave = (sms * per_sm / c) > 0 ? sms * per_sm / c : 1;
