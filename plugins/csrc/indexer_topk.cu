@@ -37,13 +37,13 @@
 //                             + kTopkFixedUs + T * max_len * 4 / kTopkBytesPerUs
 // and the cheaper runs. A few tokens get wide clusters (C = 16, W = 4: 64 warpgroups stream one
 // token, about what indexer_logits reaches at B = 1), a batch gets the narrowest shape that holds
-// its keys (at 128K: C = 4, W = 2, ~32 tokens per wave). With these constants the fused estimate
-// wins at every T for 8K..128K contexts (at T = 1, 128K by ~1 us only: the two kernels are chosen
-// once a measured constant moves that way). With workspace == NULL, AUTO is fused whenever a fused
-// shape fits. The constants are from benchmarks/RESULTS.md (logits 3.6 TB/s at B >= 32, ~5 us floor;
-// top-k 14 us + 0.5 TB/s) and estimates for the fused kernel (3 pages in flight per warpgroup over
-// ~1.2 us of latency; ~10 us of select per wave); calibrate them with
-// benchmarks/bench_indexer_topk.py, which times both paths.
+// its keys (at 128K: C = 4, W = 2, ~32 tokens per wave). The constants are fitted to the H200
+// (benchmarks/RESULTS.md, 2026-11-30: fused 45.5 / 231 / 784 us at B = 1 / 32 / 128 x 128K and
+// 78.6 us at B = 32 x 32K; two kernels 33.0 / 205 / 712 / 81.9 us): the select of a wave costs
+// ~30-40 us that the memory-bound scoring does not hide (one CTA per SM, and every CTA of a wave
+// reaches its select at the same time), so AUTO picks the two kernels at 128K and the fused kernel
+// at 32K, B = 32. With workspace == NULL, AUTO is fused whenever a fused shape fits. Calibrate the
+// constants with benchmarks/bench_indexer_topk.py, which times both paths.
 #include <math.h>
 #include <stdio.h>
 
@@ -173,11 +173,11 @@ __global__ void __launch_bounds__(kWgThreads * W, 4 / W)
 // ---------------------------------------------------------------- host: shapes, plan, launch
 // Cost model constants (see the header comment), in bytes per microsecond and microseconds.
 constexpr double kHbmBytesPerUs = 3.6e6;          // the logits kernel's rate at B >= 32 (RESULTS.md)
-constexpr double kWgBytesPerUs = 20e3;            // one fused warpgroup: 3 pages in flight / ~1.2 us
-constexpr double kFusedWaveUs = 10.0;             // select + emit tail of a wave of clusters, launch
-constexpr double kSelectUsPerKeyPerThread = 0.01; // ~5 shared-memory sweeps of the slice
-constexpr double kLogitsFixedUs = 5.0;            // logits kernel latency floor (B = 1 rows)
-constexpr double kTopkFixedUs = 14.0;             // top-k kernel: fixed part
+constexpr double kWgBytesPerUs = 17e3;            // one fused warpgroup (B = 1: 64 warpgroups, ~18 us)
+constexpr double kFusedWaveUs = 28.0;             // select + emit of a wave of clusters, launch
+constexpr double kSelectUsPerKeyPerThread = 0.094; // the select's sweeps, per key of a thread's slice
+constexpr double kLogitsFixedUs = 10.0;           // logits kernel at B = 1 (14 us at 128K)
+constexpr double kTopkFixedUs = 20.0;             // top-k kernel: fixed part (28 us for one 128K row)
 constexpr double kTopkBytesPerUs = 0.5e6;         // top-k kernel: rows x width x 4 B at ~0.5 TB/s
 
 constexpr int kClusterSizes[] = {1, 2, 4, 8, 16};
