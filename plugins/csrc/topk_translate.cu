@@ -6,7 +6,7 @@
 // Rows with L <= k take every position 0..L-1 in order and pad the tail j >= L with -1.
 //
 // Algorithm (topk_select.cuh): exact radix select on the order-preserving uint32 image of the
-// fp32 scores, digits of 11, 11 and 10 bits, by a thread-block cluster of C CTAs (C = 1..8) per
+// fp32 scores, digits of 11, 11 and 10 bits, by a thread-block cluster of C CTAs (C = 1..16) per
 // row. CTA c owns the slice [c*chunk, (c+1)*chunk) of the row, copies it once into shared memory
 // (when it fits; otherwise every pass re-reads global memory) and builds the first digit's
 // histogram on the way; the cluster select + emit of topk_select.cuh does the rest (shared with
@@ -22,7 +22,7 @@ using namespace dsa_topk;
 
 constexpr int kThreads = 512;
 constexpr int kCacheCapElems = 40 * 1024;  // slice elements kept in shared memory (160 KB)
-constexpr int kMaxCluster = 8;             // portable cluster size
+constexpr int kMaxCluster = 16;            // 16 is non-portable (Hopper allows it; opted in at launch)
 constexpr int kMaxCtasPerSm = 2;           // 512 threads x <= 64 registers
 static_assert(kThreads >= kMinThreadsTimesCluster, "the reduce-scatter needs kThreads * C >= kBins / 4 for C >= 1");
 
@@ -164,6 +164,12 @@ int launch(const DsaTopkTranslateParams& p, const Plan& plan, int max_len, cudaS
     DSA_CUDA_CHECK(cudaFuncSetAttribute(topk_translate_kernel<kCached>,
                                         cudaFuncAttributeMaxDynamicSharedMemorySize, (int)plan.smem));
     configured_smem = plan.smem;
+  }
+  static bool non_portable = false;
+  if (plan.cluster > 8 && !non_portable) {
+    DSA_CUDA_CHECK(cudaFuncSetAttribute(topk_translate_kernel<kCached>,
+                                        cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+    non_portable = true;
   }
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3((unsigned)(p.rows * plan.cluster));
