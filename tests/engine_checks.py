@@ -72,10 +72,10 @@ def teacher_forced_greedy(engine_dir, tiny_ckpt, device: str, dtype: torch.dtype
         got, want = rec.pop("compiled"), rec.pop("eager")
         ref = rec.pop("ref", None)
         top2 = torch.topk(want, 2)
+        token, got_token = top2.indices[0].item(), got.argmax().item()
         rec.update(rel=_rel(got, want), diff=(got - want).abs().max().item(),
-                   margin=(top2.values[0] - top2.values[1]).item(),
-                   same=got.argmax().item() == top2.indices[0].item(), token=top2.indices[0].item(),
-                   got_token=got.argmax().item())
+                   margin=(top2.values[0] - top2.values[1]).item(), same=got_token == token, token=token,
+                   got_token=got_token)
         if ref is not None:
             rec.update(err_compiled=_rel(got, ref), err_eager=_rel(want, ref))
         if report:

@@ -109,14 +109,12 @@ def indexer_logits(q, weights, keys_pages, page_table, req_idx, seq_lens, absolu
 
 
 # ---------------------------------------------------------------- top-k + translation checks
-def check_topk(logits, lengths, page_table, req_idx, k: int, slots, indices, lowest_ties: bool = False) -> None:
+def check_topk(logits, lengths, page_table, req_idx, k: int, slots, indices) -> None:
     """Asserts the spec of fused top-k + translation; raises AssertionError naming row and reason.
 
     Set semantics: for rows with L > k, k distinct positions in [0, L), every selected value >= the
-    k-th largest, and every value strictly above it selected; with lowest_ties, the values equal to
-    the k-th largest that are selected are the ones at the lowest positions (our kernels' rule).
-    Rows with L <= k: positions 0..L-1 in some order, then -1. slots: exactly
-    page_table[req, p // 64] * 64 + p % 64 of the indices.
+    k-th largest, and every value strictly above it selected. Rows with L <= k: positions 0..L-1 in
+    some order, then -1. slots: exactly page_table[req, p // 64] * 64 + p % 64 of the indices.
     """
     rows = logits.shape[0]
     lengths = lengths.long().cpu()
@@ -140,11 +138,6 @@ def check_topk(logits, lengths, page_table, req_idx, k: int, slots, indices, low
             above = int((vals > kth).sum())
             assert int((sel > kth).sum()) == above, f"row {r}: {above} values above the k-th, only "\
                 f"{int((sel > kth).sum())} selected"
-            if lowest_ties:
-                tied = (vals == kth).nonzero().flatten()[: k - above]
-                got = idx[sel == kth].sort().values
-                assert torch.equal(got, tied), (f"row {r}: of {int((vals == kth).sum())} values tied at the k-th, "
-                                                f"the {k - above} selected are not the lowest positions")
     # translation, exactly
     pt = page_table.long()
     req = req_idx.long()[:, None].expand_as(idx_all)
@@ -152,6 +145,25 @@ def check_topk(logits, lengths, page_table, req_idx, k: int, slots, indices, low
     want = torch.where(idx_all >= 0, pt[req, safe // PAGE] * PAGE + safe % PAGE, -1)
     bad = (want != slots.long()).nonzero()
     assert bad.numel() == 0, f"slot translation wrong at (row, j) = {bad[:5].tolist()}"
+
+
+def check_tie_rule(name, logits, lengths, k: int, idx) -> None:
+    """Our kernels' tie rule: among positions scoring exactly the k-th score, the selected ones are
+    the lowest positions."""
+    for r in range(logits.shape[0]):
+        n = int(lengths[r])
+        if n <= k:
+            continue
+        vals = logits[r, :n]
+        kth = torch.topk(vals, k).values[-1]
+        tied = (vals == kth).nonzero().flatten()
+        n_above = int((vals > kth).sum())
+        want = tied[: k - n_above]
+        sel = idx[r].long()
+        got = sel[vals[sel] == kth].sort().values
+        assert torch.equal(got, want), (
+            f"{name}: row {r}: {tied.numel()} positions tie at the k-th score {float(kth)}; selected "
+            f"{got[:5].tolist()}..., expected the lowest {want[:5].tolist()}...")
 
 
 def build_index_pool(keys: torch.Tensor) -> torch.Tensor:

@@ -234,7 +234,8 @@ def test_topk_translate(K, case):
     slots = torch.full((rows, k), -7, dtype=torch.int32, device=DEV)
     indices = torch.full((rows, k), -7, dtype=torch.int32, device=DEV)
     K.topk_translate(logits, lengths, page_table, req_idx, k, slots=slots, indices=indices)
-    R.check_topk(logits, lengths, page_table, req_idx, k, slots, indices, lowest_ties=True)
+    R.check_topk(logits, lengths, page_table, req_idx, k, slots, indices)
+    R.check_tie_rule(name, logits, lengths, k, indices)
     # determinism and the no-indices path
     slots2 = torch.full_like(slots, -7)
     K.topk_translate(logits, lengths, page_table, req_idx, k, slots=slots2)

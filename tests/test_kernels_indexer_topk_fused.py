@@ -129,24 +129,6 @@ def assert_same_sets(name, got_slots, got_idx, want_slots, want_idx, logits, seq
     assert not bad, f"{name}: same indices but different slots in rows {bad[:5]} (translation)"
 
 
-def assert_tie_rule(name, logits, seq, k, idx):
-    """Among positions scoring exactly the k-th score, the selected ones are the lowest positions."""
-    for r in range(logits.shape[0]):
-        n = int(seq[r])
-        if n <= k:
-            continue
-        vals = logits[r, :n]
-        kth = torch.topk(vals, k).values[-1]
-        tied = (vals == kth).nonzero().flatten()
-        n_above = int((vals > kth).sum())
-        want = tied[: k - n_above]
-        sel = idx[r].long()
-        got = sel[vals[sel] == kth].sort().values
-        assert torch.equal(got, want), (
-            f"{name}: row {r}: {tied.numel()} positions tie at the k-th score {float(kth)}; selected "
-            f"{got[:5].tolist()}..., expected the lowest {want[:5].tolist()}...")
-
-
 def assert_matches_reference(name, ref_scores, ref_mag, seq, k, idx, rows):
     """A fused selection is right up to fp32 rounding when every selected position's float64 score
     plus its error bound reaches every unselected one's score minus its bound. Bound as the logits
@@ -207,7 +189,7 @@ def test_fused_equals_two_kernels(K, case):
         assert_same_sets(f"{name} [{path}: {plan}]", slots, idx, want_slots, want_idx, logits, seq)
     # spec, on the logits kernel's scores (bitwise the fused ones)
     R.check_topk(logits, seq, pt, ri, k, slots, idx)
-    assert_tie_rule(name, logits, seq, k, idx)
+    R.check_tie_rule(name, logits, seq, k, idx)
     # determinism: a rerun gives the same arrays, not only the same sets
     slots2, idx2 = K.indexer_topk(q, w, pool, pt, ri, seq, k, indices=True, path="fused")
     slots3, idx3 = K.indexer_topk(q, w, pool, pt, ri, seq, k, indices=True, path="fused")
@@ -280,7 +262,7 @@ def test_fused_shapes(K, shape):
                                     cluster_size=cluster, warpgroups=wgs)
         label = f"{kind} cluster={cluster} warpgroups={wgs}"
         assert_same_sets(label, slots, idx, want_slots, want_idx, logits, seq)
-        assert_tie_rule(label, logits, seq, K_DEFAULT, idx)
+        R.check_tie_rule(label, logits, seq, K_DEFAULT, idx)
 
 
 def test_h200_target_shape(K):
@@ -357,6 +339,6 @@ def test_topk_translate_ties_independent_of_batch(K):
         lengths = torch.full((rows,), width, dtype=torch.int32, device=DEV)
         ri = torch.zeros(rows, dtype=torch.int32, device=DEV)
         slots, idx = K.topk_translate(logits, lengths, pt, ri, k, return_indices=True)
-        assert_tie_rule(f"topk_translate rows={rows}", logits, lengths, k, idx)
+        R.check_tie_rule(f"topk_translate rows={rows}", logits, lengths, k, idx)
         results.append(idx[0].sort().values)
     assert all(torch.equal(results[0], r) for r in results[1:]), "topk_translate selection depends on the batch size"
