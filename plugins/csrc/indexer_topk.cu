@@ -67,7 +67,8 @@ static_assert(kRegion0Bytes >= 64 * DSA_INDEX_DIM && kRegion0Bytes >= kBins * 4,
 // Shared memory of one CTA (the same offsets in every CTA: the select reads remote CTAs at them).
 //   [0, 1024)                 alignment slack (the q tile needs 1024-byte alignment)
 //   region 0 (8 KB)           q tile [H, 128] swizzled while streaming; hist1 [2048] afterwards
-//   rings [W][kStages] Stage  the warpgroups' page rings (8.5 KB per stage)
+//   rings [W][kStages] Stage  the warpgroups' page rings (8.5 KB per stage) while streaming; the
+//                             select's candidates and bitmaps afterwards (the region is the larger)
 //   keys [ppc * 64] uint32    order keys of the slice's positions
 //   hist0 [2048] uint32       pass-0 histogram, built while streaming
 //   slice [2048 / C] uint32
@@ -76,10 +77,13 @@ static_assert(kRegion0Bytes >= 64 * DSA_INDEX_DIM && kRegion0Bytes >= kBins * 4,
 template <int W>
 struct FusedLayout {
   static constexpr int kThreads = kWgThreads * W;
-  int rings, keys, hist0, slice, pages, scratch, total;  // byte offsets from the aligned base; total with slack
+  int rings, bits, keys, hist0, slice, pages, scratch, total;  // byte offsets from the aligned base; total with slack
   __host__ __device__ FusedLayout(int cluster, int ppc) {
-    rings = kRegion0Bytes;
-    keys = rings + W * kStages * (int)sizeof(Stage);
+    rings = kRegion0Bytes;  // the candidates sit at the start of the ring region, the bitmaps after them
+    bits = rings + kCandBytes;
+    const int ring_bytes = W * kStages * (int)sizeof(Stage);
+    const int select_bytes = kCandBytes + select_bitmap_bytes(ppc * DSA_PAGE_SIZE);
+    keys = rings + (ring_bytes > select_bytes ? ring_bytes : select_bytes);
     hist0 = keys + ppc * DSA_PAGE_SIZE * 4;
     slice = hist0 + kBins * 4;
     pages = slice + kBins / cluster * 4;
@@ -161,13 +165,20 @@ __global__ void __launch_bounds__(kWgThreads * W, 4 / W)
     }
   }
   cp_async_wait<0>();
+  __syncthreads();  // every warpgroup is done with its ring: the select's bitmaps and candidates reuse it
   // The select's first cluster barrier orders the keys and hist0 before any read; hist1 reuses the
   // q tile only after it (every wgmma of this CTA has completed by then).
 
-  const SelectSmem<kThreads> sm{hist0, reinterpret_cast<uint32_t*>(base), reinterpret_cast<uint32_t*>(base + lay.slice),
+  const SelectSmem<kThreads> sm{hist0,
+                                reinterpret_cast<uint32_t*>(base),
+                                reinterpret_cast<uint32_t*>(base + lay.slice),
+                                reinterpret_cast<uint32_t*>(base + lay.bits),
+                                reinterpret_cast<uint2*>(base + lay.rings),
+                                s_pages,
                                 reinterpret_cast<SelectScratch<kThreads>*>(base + lay.scratch)};
   const uint4* keys4 = reinterpret_cast<const uint4*>(keys);
-  cluster_select_emit<kThreads, kMaxCluster>(cluster, sm, n_local, start, k, [&](int v) { return keys4[v]; }, out);
+  cluster_select_emit<kThreads, kMaxCluster>(cluster, sm, n_local, start, ppc * DSA_PAGE_SIZE, k,
+                                             [&](int v) { return keys4[v]; }, out);
 }
 
 // ---------------------------------------------------------------- host: shapes, plan, launch
@@ -475,6 +486,8 @@ int validate(const DsaIndexerTopkParams* p) {
   DSA_CHECK_ARG(p->max_pages >= 0 && (int64_t)p->max_pages * DSA_PAGE_SIZE <= INT32_MAX,
                 "indexer_topk: max_pages=%d out of range", p->max_pages);
   DSA_CHECK_ARG(p->k >= 1, "indexer_topk: k=%d < 1", p->k);
+  DSA_CHECK_ARG(p->k <= dsa_topk::kMaxTopk, "indexer_topk: k=%d > %d (the select stages a row's selection in shared memory)",
+                p->k, dsa_topk::kMaxTopk);
   DSA_CHECK_ARG(p->path >= DSA_INDEXER_TOPK_AUTO && p->path <= DSA_INDEXER_TOPK_UNFUSED,
                 "indexer_topk: path=%d unsupported (0 = auto, 1 = fused, 2 = unfused)", p->path);
   DSA_CHECK_SUPPORTED(p->num_heads == 64 || p->num_heads == 32, "indexer_topk: num_heads=%d unsupported (64, 32)",

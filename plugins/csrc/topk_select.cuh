@@ -2,26 +2,30 @@
 // topk_translate.cu (keys from fp32 logits in memory) and indexer_topk.cu (keys scored in place).
 //
 // A row of L candidates is held by a thread-block cluster of C CTAs (C = 1..16): CTA `rank` owns
-// the contiguous positions [start, start + n_local) (the CTAs' slices in rank order), as order-
-// preserving uint32 keys (order_key). Radix select on digits of 11, 11 and 10 bits. Each pass:
-// local shared-memory histogram of the candidates (keys whose higher digits equal the prefix
-// chosen so far) -> cluster barrier -> CTA r sums bin slice r of every CTA's histogram over
-// DSMEM (16-byte remote loads; no remote atomics and no hot-spot CTA: a first version that
-// reduced into rank 0 with remote atomics spent ~80 us in DSMEM traffic at 64 rows) -> cluster
-// barrier -> every CTA reads the C slice totals, then the one slice holding the threshold, and
-// picks the same threshold bin. The select stops early when the threshold bin is taken whole.
-// The first pass's histogram is built by the caller while it produces the keys.
+// the contiguous positions [rank * chunk, rank * chunk + n_local), as order-preserving uint32 keys
+// (order_key). The selected set: every key above the k-th largest key, then among the keys equal
+// to it the ones at the lowest positions. It does not depend on C or on the slicing, and it is
+// emitted in ascending position order, so the output is deterministic whatever the cluster shape.
 //
-// Output, deterministic and independent of C and of the slicing: every key above the k-th
-// largest key, then among the keys equal to it the ones at the lowest positions (order by key
-// descending, then position ascending; take the first k). Keys above the threshold are placed by
-// block-wide and cluster-wide prefix sums in (CTA, thread, element) order; tied keys are taken
-// whole per CTA, except in the one CTA where the k-th tie falls, which takes its first ones in
-// position order (a block scan per tile of kThreads * 4 keys). So two kernels with bitwise-equal
-// scores select the same set whatever their cluster shapes.
-//
-// Ties: a thread counts runs of equal digits and issues one shared atomic per run, so a row of
-// 99% zeros costs about what a random row costs. -inf and NaN are ordinary keys.
+// 1. Threshold bin. Radix passes on digits of 11, 11 and 10 bits: local shared-memory histogram
+//    of the keys matching the prefix chosen so far (the first one is built by the caller while it
+//    produces the keys) -> cluster barrier -> CTA r sums bin slice r of every CTA's histogram over
+//    DSMEM (16-byte remote loads; no remote atomics, no hot-spot CTA) -> cluster barrier -> every
+//    CTA reads the C slice totals, then the one slice holding the threshold, and picks the same
+//    bin. The passes stop as soon as the threshold bin is cheap to finish: taken whole, holding
+//    at most kCandCap keys, or holding one key value only (min == max over the cluster, tested
+//    during the later passes' sweep: a row of 99% exact zeros stops after two passes).
+// 2. One sweep over the keys (reversed, so an uncached slice is re-read from L2 in the order that
+//    hits most): keys above the bin set bits of a selection bitmap; keys in the bin set bits of a
+//    tie bitmap, or are taken whole, or (at most kCandCap) become candidates (key, position).
+//    Most tiles of 128 keys hold no such key and cost a max and a vote.
+// 3. Candidates: after a cluster barrier every CTA loads all of the row's candidates (DSMEM) into
+//    registers and finishes the radix select on them locally (the same result in every CTA), then
+//    marks its own positions: above the threshold -> selected, equal -> tied.
+// 4. Emit: per-thread bit counts, one block scan, one exchange of the CTA totals; the tied bits
+//    are taken in position order until the k - (selected) ties are placed. Output j is the j-th
+//    selected position of the row.
+// NaN and -inf are ordinary keys (order_key orders every bit pattern).
 #pragma once
 
 #include <cooperative_groups.h>
@@ -41,10 +45,21 @@ __host__ __device__ constexpr uint32_t digit_mask(int pass) { return pass == 2 ?
 constexpr int kFirstShift = digit_shift(0);  // the caller's pass-0 histogram: hist[key >> 21]
 // A CTA's reduce-scatter gives one 16-byte bin group per thread: kThreads * 4 * C >= kBins.
 constexpr int kMinThreadsTimesCluster = kBins / 4;
+// Threshold bins of at most this many keys are finished from candidates (random fp32 logits of a
+// 128K row put ~2.2K keys in the pass-0 bin of the k = 2048th).
+constexpr int kCandCap = 4096;
+constexpr int kMaxClusterSlots = 16;
+
+// Bytes of the select's bitmaps for a slice of `chunk` positions (selection + tie bitmaps), a
+// multiple of 16 (what follows them may be read as 16-byte vectors).
+__host__ __device__ constexpr int select_bitmap_bytes(int chunk) { return ((chunk + 127) / 128) * 32; }
+constexpr int kCandBytes = kCandCap * 8;
+// The emit stages a CTA's selected positions in the candidate buffer: k is at most this.
+constexpr int kMaxTopk = kCandBytes / 4;
 
 __device__ __forceinline__ uint32_t order_key(float x) {
   const uint32_t b = __float_as_uint(x);
-  return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+  return b ^ (static_cast<uint32_t>(static_cast<int32_t>(b) >> 31) | 0x80000000u);  // negative: ~b; else b | sign
 }
 
 // Distributed shared memory with 32-bit shared::cluster addresses (mapa), cheaper in registers
@@ -62,6 +77,11 @@ __device__ __forceinline__ uint32_t ld_cluster_u32(uint32_t addr) {
   asm volatile("ld.shared::cluster.u32 %0, [%1];\n" : "=r"(v) : "r"(addr) : "memory");
   return v;
 }
+__device__ __forceinline__ uint2 ld_cluster_v2(uint32_t addr) {
+  uint2 v;
+  asm volatile("ld.shared::cluster.v2.u32 {%0, %1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "r"(addr) : "memory");
+  return v;
+}
 __device__ __forceinline__ uint4 ld_cluster_v4(uint32_t addr) {
   uint4 v;
   asm volatile("ld.shared::cluster.v4.u32 {%0, %1, %2, %3}, [%4];\n"
@@ -69,6 +89,47 @@ __device__ __forceinline__ uint4 ld_cluster_v4(uint32_t addr) {
                : "r"(addr)
                : "memory");
   return v;
+}
+
+// Split cluster barrier: arrive once this CTA's remote reads are done, wait before leaving.
+__device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory"); }
+
+// Shared-memory reductions by 32-bit shared-window address: a generic pointer costs a window
+// conversion (CTA id, LEA) per atomic in a cluster kernel.
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void red_add_shared(uint32_t addr, uint32_t v) {
+  asm volatile("red.shared.add.u32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
+}
+// Predicated (no branch around it): adds when `on` is true.
+__device__ __forceinline__ void red_add_shared_if(bool on, uint32_t addr, uint32_t v) {
+  asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %2, 0;\n @p red.shared.add.u32 [%0], %1;\n}\n" ::"r"(addr),
+               "r"(v), "r"((uint32_t)on)
+               : "memory");
+}
+__device__ __forceinline__ void red_or_shared_if(bool on, uint32_t addr, uint32_t v) {
+  asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %2, 0;\n @p red.shared.or.b32 [%0], %1;\n}\n" ::"r"(addr),
+               "r"(v), "r"((uint32_t)on)
+               : "memory");
+}
+__device__ __forceinline__ void red_or_shared(uint32_t addr, uint32_t v) { red_or_shared_if(true, addr, v); }
+
+// Pass-0 histogram (shared address hist) of 4 keys of a thread, nvalid of them real. Called by
+// whole warps: the lanes whose 4 keys all have lane 0's first digit add once for the warp (a
+// warp of exact zeros: one atomic for 128 keys), the others add per key.
+__device__ __forceinline__ void hist_add4(const uint32_t hist, const uint4 kv, const int nvalid) {
+  const uint32_t d0 = kv.x >> kFirstShift, d1 = kv.y >> kFirstShift, d2 = kv.z >> kFirstShift,
+                 d3 = kv.w >> kFirstShift;
+  const uint32_t lead = __shfl_sync(0xffffffffu, d0, 0);
+  const bool agg = nvalid == 4 && d0 == lead && d1 == lead && d2 == lead && d3 == lead;
+  const uint32_t lanes = __ballot_sync(0xffffffffu, agg);
+  red_add_shared_if((threadIdx.x & 31) == 0 && lanes, hist + 4 * lead, 4 * __popc(lanes));
+  red_add_shared_if(!agg && nvalid > 0, hist + 4 * d0, 1u);
+  red_add_shared_if(!agg && nvalid > 1, hist + 4 * d1, 1u);
+  red_add_shared_if(!agg && nvalid > 2, hist + 4 * d2, 1u);
+  red_add_shared_if(!agg && nvalid > 3, hist + 4 * d3, 1u);
 }
 
 // One shared atomic per run of equal digits in a thread's sequence (massive ties -> few atomics).
@@ -153,15 +214,22 @@ struct SelectScratch {
   uint32_t slice_total;           // sum of this CTA's reduced bin slice
   uint32_t sel_slice, sel_above;  // slice holding the threshold; count in the slices above it
   uint32_t sel[3];                // threshold search result: bin, k_rem, bin count
-  uint32_t totals[2];             // this CTA's (> threshold, == threshold) counts
+  uint32_t kmin, kmax;            // passes >= 1: min / max of this CTA's keys in the previous bin
+  uint32_t ident[2];              // cluster-wide: (min == max, min)
+  uint32_t ncand;                 // this CTA's candidates
+  uint32_t cand_start[kMaxClusterSlots + 1];  // candidates of the CTAs before rank r (exclusive scan)
+  uint32_t totals[2];             // this CTA's (selected, tied) bit counts
   uint32_t scan[2 * (kThreads / 32)];
 };
 
 template <int kThreads>
 struct SelectSmem {
-  uint32_t* hist0;    // [kBins]: pass 0 (filled by the caller) and pass 2
-  uint32_t* hist1;    // [kBins]: pass 1
-  uint32_t* slice;    // [kBins / C]: cluster-wide counts of this CTA's bin slice
+  uint32_t* hist0;     // [kBins]: pass 0 (filled by the caller) and pass 2
+  uint32_t* hist1;     // [kBins]: pass 1 and the candidates' passes
+  uint32_t* slice;     // [kBins / C]: cluster-wide counts of this CTA's bin slice
+  uint32_t* bits;      // [select_bitmap_bytes(chunk) / 4]: selection bitmap, then tie bitmap
+  uint2* cand;         // [kCandCap] (key, row position); read by the other CTAs
+  const int32_t* pages;  // [ceil(chunk / 64)] page ids of the slice's positions (start is a multiple of 64)
   SelectScratch<kThreads>* x;
 };
 
@@ -170,56 +238,148 @@ struct SelectSmem {
 struct RowOutput {
   int32_t* slots;          // [k] of this row
   int32_t* indices;        // [k] of this row, or NULL
-  const int32_t* table;    // [max_pages] page ids of the row's request
-  __device__ __forceinline__ void put(int j, int pos) const {
-    slots[j] = pos < 0 ? -1 : table[pos / DSA_PAGE_SIZE] * DSA_PAGE_SIZE + pos % DSA_PAGE_SIZE;
+  const int32_t* table;    // [max_pages] page ids of the row's request (global memory)
+  __device__ __forceinline__ void put(int j, int pos, int page) const {
+    slots[j] = pos < 0 ? -1 : page * DSA_PAGE_SIZE + pos % DSA_PAGE_SIZE;
     if (indices) indices[j] = pos;
   }
   // A row with L <= k candidates takes every position 0..L-1 in order and pads with -1; the
   // caller's threads split j in [first, k) with the given stride.
   __device__ __forceinline__ void all_positions(int L, int k, int first, int stride) const {
-    for (int j = first; j < k; j += stride) put(j, j < L ? j : -1);
+    for (int j = first; j < k; j += stride) put(j, j < L ? j : -1, j < L ? table[j / DSA_PAGE_SIZE] : 0);
   }
 };
 
-// The k (< L, the row's candidate count) largest keys of the row -> out. Called by every thread
-// of every CTA of the cluster. On entry s.hist0 holds this CTA's histogram of key >> 21 over its
-// n_local keys, complete (the first cluster barrier below also orders the caller's writes of the
-// keys and of hist0). fetch(v) returns the keys of local positions [4v, 4v + 4) (elements at or
-// past n_local are ignored). kMaxCluster bounds C (the remote loads in flight per thread).
+// Threshold search over a histogram held by this CTA: the highest bin b of [0, nb) with
+// count(bins >= b) >= k_rem -> x.sel = (b, k_rem - count(bins > b), count(b)). Block-wide.
+template <int kThreads>
+__device__ __forceinline__ void local_threshold(const uint32_t* hist, const int nb, const uint32_t k_rem,
+                                                SelectScratch<kThreads>& x) {
+  constexpr int kMaxPerThread = kBins / kThreads;
+  const int per = nb / kThreads;  // nb in {1024, 2048}, kThreads in {256, 512}
+  const int b0 = threadIdx.x * per;
+  uint32_t c[kMaxPerThread];
+  uint32_t mine = 0;
+#pragma unroll
+  for (int j = 0; j < kMaxPerThread; ++j) {
+    c[j] = j < per ? hist[b0 + j] : 0u;
+    mine += c[j];
+  }
+  const uint32_t incl = block_suffix_sum<kThreads>(mine, x.scan);
+  const uint32_t excl = incl - mine;
+  if (excl < k_rem && k_rem <= incl) {
+    uint32_t acc = excl;
+#pragma unroll
+    for (int j = kMaxPerThread - 1; j >= 0; --j) {
+      if (j < per && acc < k_rem && acc + c[j] >= k_rem) {
+        x.sel[0] = b0 + j;
+        x.sel[1] = k_rem - acc;
+        x.sel[2] = c[j];
+      }
+      acc += c[j];
+    }
+  }
+  __syncthreads();
+}
+
+// The k (< L, the row's candidate count) largest keys of the row -> out, in ascending position
+// order. Called by every thread of every CTA of the cluster. On entry s.hist0 holds this CTA's
+// histogram of key >> 21 over its n_local keys, complete (the first cluster barrier below also
+// orders the caller's writes of the keys and of hist0); s.bits, s.cand and s.x are this
+// function's. fetch(v) returns the keys of local positions [4v, 4v + 4) for v < ceil(n_local / 4)
+// (elements at or past n_local are ignored); start = rank * chunk is the slice's first position
+// (chunk a multiple of 64); s.pages must be complete before the function's last barrier.
+// kMaxCluster bounds C (the remote loads in flight per thread).
 template <int kThreads, int kMaxCluster, class Fetch>
 __device__ __forceinline__ void cluster_select_emit(cg::cluster_group& cluster, const SelectSmem<kThreads> s,
-                                                    const int n_local, const int start, const int k,
-                                                    Fetch fetch, const RowOutput& out) {
+                                                    const int n_local, const int start, const int chunk,
+                                                    const int k, Fetch fetch, const RowOutput& out) {
+  static_assert(kMaxCluster <= kMaxClusterSlots, "cand_start holds kMaxClusterSlots CTAs");
+  static_assert(kCandCap % kThreads == 0 && kBins % kThreads == 0, "per-thread candidate / bin counts");
+  constexpr int kWarps = kThreads / 32;
   const int C = (int)cluster.num_blocks();
   const int rank = (int)cluster.block_rank();
-  const int tid = threadIdx.x;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int nvec = (n_local + 3) / 4;
+  const int nwords = (n_local + 31) / 32;
+  uint32_t* sel_bits = s.bits;
+  uint32_t* tie_bits = s.bits + select_bitmap_bytes(chunk) / 8;
   SelectScratch<kThreads>& x = *s.x;
+  for (int i = tid; i < nwords; i += kThreads) {
+    sel_bits[i] = 0;
+    tie_bits[i] = 0;
+  }
+  if (tid == 0) x.ncand = 0;
 
+  // ---- 1. threshold bin
   uint32_t prefix = 0;      // digits chosen so far
   uint32_t k_rem = k;       // how many still to take among keys matching the prefix
+  uint32_t count = 0;       // cluster-wide keys matching the prefix
   int shift = 32;           // keys match when (key >> shift) == prefix (shift 32: all keys)
-  bool take_all = false;    // the last threshold bin was taken whole
-  for (int pass = 0; pass < kPasses && !take_all; ++pass) {
+  bool take_all = false;    // the threshold bin is taken whole
+  for (int pass = 0; pass < kPasses; ++pass) {
     const int dshift = digit_shift(pass);
     const uint32_t dmask = digit_mask(pass);
     const int nbins = (int)dmask + 1;
     uint32_t* hist = (pass & 1) ? s.hist1 : s.hist0;  // others last read it two passes ago, before two barriers
     if (pass > 0) {
       for (int i = tid; i < nbins; i += kThreads) hist[i] = 0;
+      if (tid == 0) {
+        x.kmin = 0xFFFFFFFFu;
+        x.kmax = 0u;
+      }
       __syncthreads();
       RunHist rh{hist};
+      uint32_t kmin = 0xFFFFFFFFu, kmax = 0u;
       for (int v = tid; v < nvec; v += kThreads) {
         const uint4 q = fetch(v);
         const uint32_t kk[4] = {q.x, q.y, q.z, q.w};
 #pragma unroll
-        for (int e = 0; e < 4; ++e)
-          if (4 * v + e < n_local && (kk[e] >> shift) == prefix) rh.add((kk[e] >> dshift) & dmask);
+        for (int e = 0; e < 4; ++e) {
+          if (4 * v + e < n_local && (kk[e] >> shift) == prefix) {
+            rh.add((kk[e] >> dshift) & dmask);
+            kmin = min(kmin, kk[e]);
+            kmax = max(kmax, kk[e]);
+          }
+        }
       }
       rh.flush();
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) {
+        kmin = min(kmin, __shfl_xor_sync(0xffffffffu, kmin, off));
+        kmax = max(kmax, __shfl_xor_sync(0xffffffffu, kmax, off));
+      }
+      if (lane == 0) {
+        atomicMin(&x.kmin, kmin);
+        atomicMax(&x.kmax, kmax);
+      }
     }
-    cluster.sync();  // (A) every CTA's histogram of this pass is complete
+    cluster.sync();  // (A) every CTA's histogram (and min / max) of this pass is complete
+
+    if (pass > 0) {  // one key value in the previous bin: its ties are taken by position
+      if (tid < 32) {
+        uint32_t mn = 0xFFFFFFFFu, mx = 0u;
+        if (tid < C) {
+          mn = ld_cluster_u32(cluster_addr(&x.kmin, tid));
+          mx = ld_cluster_u32(cluster_addr(&x.kmax, tid));
+        }
+#pragma unroll
+        for (int off = 16; off > 0; off >>= 1) {
+          mn = min(mn, __shfl_xor_sync(0xffffffffu, mn, off));
+          mx = max(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+        }
+        if (tid == 0) {
+          x.ident[0] = mn == mx;
+          x.ident[1] = mn;
+        }
+      }
+      __syncthreads();
+      if (x.ident[0]) {  // cluster-uniform
+        prefix = x.ident[1];
+        shift = 0;
+        break;
+      }
+    }
 
     // Reduce-scatter: this CTA sums bins [rank*S, rank*S + S) over the cluster (S/4 threads,
     // C remote 16-byte loads each, up to 8 in flight).
@@ -290,91 +450,179 @@ __device__ __forceinline__ void cluster_select_emit(cg::cluster_group& cluster, 
     __syncthreads();
     const uint32_t bin = x.sel[0];
     k_rem = x.sel[1];
+    count = x.sel[2];
     prefix = (shift == 32 ? 0u : prefix << (shift - dshift)) | bin;
     shift = dshift;
-    take_all = (x.sel[2] == k_rem);
+    take_all = count == k_rem;
     __syncthreads();  // x.sel / x.sel_* are rewritten by the next pass
+    if (take_all || count <= (uint32_t)kCandCap || shift == 0) break;
   }
 
-  // Output: the k - k_rem keys with (key >> shift) > prefix go to [0, k - k_rem) in (rank,
-  // thread, element) order; the first k_rem keys equal to it in position order go to
-  // [k - k_rem, k).
-  uint32_t n_gt = 0, n_eq = 0;
-  for (int v = tid; v < nvec; v += kThreads) {
-    const uint4 q = fetch(v);
-    const uint32_t kk[4] = {q.x, q.y, q.z, q.w};
+  // ---- 2. one sweep: above the bin -> selected; in the bin -> taken whole, tied, or a candidate
+  enum Mode { kTakeAll, kTies, kCand };
+  const Mode mode = take_all ? kTakeAll : (shift == 0 ? kTies : kCand);
+  const uint32_t lo = prefix << shift;                // shift <= 21 here
+  const uint32_t top = lo | ((1u << shift) - 1u);     // keys in [lo, top] are in the bin
+  {
+    const uint32_t sel_s = smem_addr(sel_bits), tie_s = smem_addr(tie_bits);
+    constexpr int kBatch = 4;  // tiles of 32 vectors in flight per warp
+    const int ntiles = (nvec + 31) / 32;
+    for (int t0 = ntiles - 1 - warp; t0 >= 0; t0 -= kBatch * kWarps) {  // warp-uniform
+      uint4 q[kBatch];
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      if (4 * v + e < n_local) {
-        const uint32_t hi = kk[e] >> shift;
-        n_gt += hi > prefix;
-        n_eq += hi == prefix;
-      }
-    }
-  }
-  uint32_t off_gt, off_eq, cta_gt, cta_eq;
-  block_excl_scan2<kThreads>(n_gt, n_eq, off_gt, off_eq, cta_gt, cta_eq, x.scan);
-  if (tid == 0) {
-    x.totals[0] = cta_gt;
-    x.totals[1] = cta_eq;
-  }
-  cluster.sync();
-  uint32_t base_gt = 0, base_eq = 0;
-  for (int r = 0; r < rank; ++r) {
-    base_gt += ld_cluster_u32(cluster_addr(&x.totals[0], r));
-    base_eq += ld_cluster_u32(cluster_addr(&x.totals[1], r));
-  }
-  const uint32_t n_take_gt = (uint32_t)k - k_rem;
-  // This CTA's tied keys are ranks [base_eq, base_eq + cta_eq) of the row's ties (positions
-  // ascending across CTAs); the row takes ranks [0, k_rem).
-  const uint32_t need_eq = base_eq >= k_rem ? 0u : min(k_rem - base_eq, cta_eq);
-  const bool eq_all = need_eq == cta_eq;  // none or all of them: any order inside the CTA
-  uint32_t j_gt = base_gt + off_gt, j_eq = n_take_gt + base_eq + off_eq;
-  for (int v = tid; v < nvec; v += kThreads) {
-    const uint4 q = fetch(v);
-    const uint32_t kk[4] = {q.x, q.y, q.z, q.w};
+      for (int b = 0; b < kBatch; ++b)  // clamped to a real vector (masked below): straight-line loads
+        q[b] = fetch(min(max((t0 - b * kWarps) * 32 + lane, 0), nvec - 1));
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      if (4 * v + e < n_local) {
-        const uint32_t hi = kk[e] >> shift;
-        if (hi > prefix) {
-          out.put((int)j_gt++, start + 4 * v + e);
-        } else if (eq_all && hi == prefix) {
-          out.put((int)j_eq++, start + 4 * v + e);
-        }
-      }
-    }
-  }
-  if (!eq_all) {  // block-uniform: the k-th tie is in this CTA; take its first need_eq ties by position
-    uint32_t taken = 0;  // ties in the tiles before this one (block-uniform)
-    for (int v0 = 0; v0 < nvec && taken < need_eq; v0 += kThreads) {
-      const int v = v0 + tid;  // tile order (v0, tid, e) is position order
-      uint32_t eq_mask = 0, n_tile = 0;
-      if (v < nvec) {
-        const uint4 q = fetch(v);
-        const uint32_t kk[4] = {q.x, q.y, q.z, q.w};
+      for (int b = 0; b < kBatch; ++b) {
+        const int v = (t0 - b * kWarps) * 32 + lane;
+        const int nvalid = t0 - b * kWarps >= 0 ? min(max(n_local - 4 * v, 0), 4) : 0;
+        const uint32_t valid = (1u << nvalid) - 1u;
+        const uint32_t kk[4] = {q[b].x, q[b].y, q[b].z, q[b].w};
+        uint32_t gm = 0, em = 0;  // keys above the bin / in it
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          if (4 * v + e < n_local && (kk[e] >> shift) == prefix) {
-            eq_mask |= 1u << e;
-            ++n_tile;
-          }
+          gm |= (uint32_t)(kk[e] > top) << e;
+          em |= (uint32_t)(kk[e] >= lo) << e;
         }
-      }
-      uint32_t off, unused_off, tile_total, unused_total;
-      block_excl_scan2<kThreads>(n_tile, 0u, off, unused_off, tile_total, unused_total, x.scan);
-      uint32_t j = taken + off;
+        gm &= valid;
+        em &= valid & ~gm;
+        if (mode == kTakeAll) {
+          gm |= em;
+          em = 0;
+        }
+        // Vector v holds bits [4 (v % 8), 4 (v % 8) + 4) of word v / 8.
+        red_or_shared_if(gm != 0, sel_s + 4 * (v >> 3), gm << (4 * (v & 7)));
+        if (mode == kTies) {
+          red_or_shared_if(em != 0, tie_s + 4 * (v >> 3), em << (4 * (v & 7)));
+        } else if (em) {  // candidates: one shared atomic per thread
+          uint32_t slot = atomicAdd(&x.ncand, (uint32_t)__popc(em));
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        if (eq_mask & (1u << e)) {
-          if (j < need_eq) out.put((int)(n_take_gt + base_eq + j), start + 4 * v + e);
-          ++j;
+          for (int e = 0; e < 4; ++e)
+            if (em & (1u << e)) s.cand[slot++] = make_uint2(kk[e], (uint32_t)(start + 4 * v + e));
         }
       }
-      taken += tile_total;
     }
   }
-  cluster.sync();  // no CTA leaves while another may still read its shared memory
+
+  // ---- 3. candidates: every CTA finishes the select on all of them, marks its own positions
+  uint32_t k_ties = take_all ? 0u : k_rem;  // tied keys to take, lowest positions first
+  if (mode == kCand) {
+    cluster.sync();  // (C) every CTA's candidates are written
+    if (tid < 32) {
+      const uint32_t n = tid < C ? ld_cluster_u32(cluster_addr(&x.ncand, tid)) : 0u;
+      uint32_t incl = n;
+#pragma unroll
+      for (int off = 1; off < 32; off <<= 1) {
+        const uint32_t v = __shfl_up_sync(0xffffffffu, incl, off);
+        if (tid >= off) incl += v;
+      }
+      if (tid <= C && tid <= kMaxClusterSlots) x.cand_start[tid] = incl - n;  // tid == C: the total
+    }
+    __syncthreads();
+    constexpr int kPer = kCandCap / kThreads;
+    uint32_t ck[kPer];
+    int cp[kPer];
+    const uint32_t total = x.cand_start[C];  // == count <= kCandCap
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) {
+      const uint32_t g = (uint32_t)(tid + j * kThreads);
+      ck[j] = 0;
+      cp[j] = -1;
+      if (g < total) {
+        int r = 0;
+        while (r + 1 < C && x.cand_start[r + 1] <= g) ++r;
+        const uint2 c = ld_cluster_v2(cluster_addr(s.cand + (g - x.cand_start[r]), r));
+        ck[j] = c.x;
+        cp[j] = (int)c.y;
+      }
+    }
+    while (!take_all && shift > 0) {  // local radix passes over the candidates (hist1 is local now)
+      const int dshift = shift > 10 ? 10 : 0;
+      const int nb = 1 << (shift - dshift);
+      for (int i = tid; i < nb; i += kThreads) s.hist1[i] = 0;
+      __syncthreads();
+#pragma unroll
+      for (int j = 0; j < kPer; ++j)
+        if (cp[j] >= 0 && (ck[j] >> shift) == prefix)
+          red_add_shared(smem_addr(s.hist1 + ((ck[j] >> dshift) & (uint32_t)(nb - 1))), 1u);
+      __syncthreads();
+      local_threshold<kThreads>(s.hist1, nb, k_rem, x);
+      prefix = (prefix << (shift - dshift)) | x.sel[0];
+      k_rem = x.sel[1];
+      take_all = x.sel[2] == k_rem;
+      shift = dshift;
+      __syncthreads();  // x.sel is rewritten by the next pass
+    }
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) {
+      const int lp = cp[j] - start;
+      if (cp[j] >= 0 && lp >= 0 && lp < n_local) {
+        const uint32_t hi = ck[j] >> shift;
+        if (hi > prefix || (take_all && hi == prefix)) red_or_shared(smem_addr(sel_bits + lp / 32), 1u << (lp % 32));
+        else if (hi == prefix) red_or_shared(smem_addr(tie_bits + lp / 32), 1u << (lp % 32));
+      }
+    }
+    k_ties = take_all ? 0u : k_rem;
+  }
+  __syncthreads();  // the bitmaps are complete
+
+  // ---- 4. emit in position order: thread t owns words [t * wpt, (t + 1) * wpt)
+  const int wpt = (nwords + kThreads - 1) / kThreads;
+  const int w0 = min(tid * wpt, nwords), w1 = min(w0 + wpt, nwords);
+  uint32_t n_sel = 0, n_tie = 0;
+  for (int w = w0; w < w1; ++w) {
+    n_sel += __popc(sel_bits[w]);
+    n_tie += __popc(tie_bits[w]);
+  }
+  uint32_t off_sel, off_tie, cta_sel, cta_tie;
+  block_excl_scan2<kThreads>(n_sel, n_tie, off_sel, off_tie, cta_sel, cta_tie, x.scan);
+  if (tid == 0) {
+    x.totals[0] = cta_sel;
+    x.totals[1] = cta_tie;
+  }
+  cluster.sync();  // (E) every CTA's totals are published
+  uint32_t base_sel = 0, base_tie = 0;  // over the CTAs before this one (every warp reads them)
+  if (lane < rank) {
+    base_sel = ld_cluster_u32(cluster_addr(&x.totals[0], lane));
+    base_tie = ld_cluster_u32(cluster_addr(&x.totals[1], lane));
+  }
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) {
+    base_sel += __shfl_xor_sync(0xffffffffu, base_sel, off);
+    base_tie += __shfl_xor_sync(0xffffffffu, base_tie, off);
+  }
+  cluster_arrive();  // this CTA's remote reads are done
+  // Positions in order into the candidate buffer (every CTA's candidates were read before (E)),
+  // then translated by all threads at once (each translation is a dependent global load).
+  int32_t* staged = reinterpret_cast<int32_t*>(s.cand);  // [kMaxTopk]
+  const uint32_t first = base_sel + min(base_tie, k_ties);  // this CTA's first output index
+  const uint32_t n_out = cta_sel + min(base_tie + cta_tie, k_ties) - min(base_tie, k_ties);
+  uint32_t tie_rank = base_tie + off_tie;
+  int j = (int)(base_sel + off_sel + min(tie_rank, k_ties) - first);
+  for (int w = w0; w < w1; ++w) {
+    uint32_t m = sel_bits[w], t = tie_bits[w];
+    if (t && tie_rank < k_ties) {
+      const uint32_t n = __popc(t), need = k_ties - tie_rank;
+      if (n <= need) {
+        m |= t;
+        tie_rank += n;
+      } else {
+        for (uint32_t i = 0; i < need; ++i) {
+          m |= t & (0u - t);  // lowest remaining tied bit
+          t &= t - 1;
+        }
+        tie_rank = k_ties;
+      }
+    }
+    while (m) {
+      staged[j++] = start + w * 32 + (__ffs(m) - 1);
+      m &= m - 1;
+    }
+  }
+  __syncthreads();
+  for (uint32_t i = tid; i < n_out; i += kThreads)
+    out.put((int)(first + i), staged[i], s.pages[(staged[i] - start) / DSA_PAGE_SIZE]);
+  cluster_wait();  // no CTA leaves while another may still read its shared memory
 }
 
 }  // namespace dsa_topk

@@ -6,13 +6,16 @@
 // Rows with L <= k take every position 0..L-1 in order and pad the tail j >= L with -1.
 //
 // Algorithm (topk_select.cuh): exact radix select on the order-preserving uint32 image of the
-// fp32 scores, digits of 11, 11 and 10 bits, by a thread-block cluster of C CTAs (C = 1..16) per
-// row. CTA c owns the slice [c*chunk, (c+1)*chunk) of the row, copies it once into shared memory
-// (when it fits; otherwise every pass re-reads global memory) and builds the first digit's
-// histogram on the way; the cluster select + emit of topk_select.cuh does the rest (shared with
-// the fused indexer_topk.cu). Among keys equal to the k-th largest, the lowest positions win, so
-// the selected set does not depend on the cluster shape chosen here. No global atomics and no
-// workspace.
+// fp32 scores by a thread-block cluster of C CTAs (C = 1..16) per row. CTA c owns the slice
+// [c*chunk, (c+1)*chunk) of the row and reads it once from global memory, building the first
+// digit's histogram; when the slice fits in shared memory beside the select's state without
+// costing occupancy it is also kept there, otherwise the select's one further sweep re-reads it
+// (from L2 mostly: the sweep runs backwards). The cluster select + emit of topk_select.cuh does
+// the rest (shared with the fused indexer_topk.cu). Among keys equal to the k-th largest, the
+// lowest positions win, and the output is in ascending position order, so it does not depend on
+// the cluster shape chosen here. No global atomics and no workspace.
+#include <stdlib.h>
+
 #include "common.cuh"
 #include "topk_select.cuh"
 
@@ -21,7 +24,6 @@ namespace {
 using namespace dsa_topk;
 
 constexpr int kThreads = 512;
-constexpr int kCacheCapElems = 40 * 1024;  // slice elements kept in shared memory (160 KB)
 constexpr int kMaxCluster = 16;            // 16 is non-portable (Hopper allows it; opted in at launch)
 constexpr int kMaxCtasPerSm = 2;           // 512 threads x <= 64 registers
 static_assert(kThreads >= kMinThreadsTimesCluster, "the reduce-scatter needs kThreads * C >= kBins / 4 for C >= 1");
@@ -29,11 +31,22 @@ static_assert(kThreads >= kMinThreadsTimesCluster, "the reduce-scatter needs kTh
 struct SmemFixed {
   uint32_t hist[2][kBins];  // this CTA's histograms (others read them remotely)
   uint32_t slice[kBins];    // cluster-wide counts of this CTA's bin slice (the first kBins / C used)
+  uint2 cand[kCandCap];     // the select's candidates
   SelectScratch<kThreads> x;
 };
 constexpr size_t kSmemFixedBytes = (sizeof(SmemFixed) + 15) / 16 * 16;
+// Page ids of a slice of `chunk` positions, in bytes (a multiple of 16).
+__host__ __device__ constexpr int slice_pages_bytes(int chunk) { return (chunk / DSA_PAGE_SIZE + 3) / 4 * 16; }
+// Shared memory of a CTA: SmemFixed, the select's bitmaps, the slice's page ids, then (cached) the
+// slice's keys.
+size_t smem_bytes(int chunk, bool cached) {
+  return kSmemFixedBytes + (size_t)select_bitmap_bytes(chunk) + (size_t)slice_pages_bytes(chunk) +
+         (cached ? (size_t)chunk * 4 : 0);
+}
 
-template <bool kCached>
+enum Source { kCachedKeys, kAlignedRows, kUnalignedRows };
+
+template <Source kSource>
 __global__ void __launch_bounds__(kThreads, kMaxCtasPerSm) topk_translate_kernel(const DsaTopkTranslateParams p, const int chunk,
                                                                   const int max_len) {
   cg::cluster_group cluster = cg::this_cluster();
@@ -53,71 +66,66 @@ __global__ void __launch_bounds__(kThreads, kMaxCtasPerSm) topk_translate_kernel
 
   extern __shared__ __align__(16) uint8_t smem_raw[];
   SmemFixed& s = *reinterpret_cast<SmemFixed*>(smem_raw);
-  uint4* keys = reinterpret_cast<uint4*>(smem_raw + kSmemFixedBytes);  // cached slice
+  uint32_t* bits = reinterpret_cast<uint32_t*>(smem_raw + kSmemFixedBytes);
+  int32_t* pages = reinterpret_cast<int32_t*>(smem_raw + kSmemFixedBytes + select_bitmap_bytes(chunk));
+  uint4* keys = reinterpret_cast<uint4*>(smem_raw + kSmemFixedBytes + select_bitmap_bytes(chunk) +
+                                         slice_pages_bytes(chunk));  // cached slice
 
-  const int start = rank * chunk;
+  const int start = rank * chunk;  // chunk: a multiple of 64
   const int n_local = min(max(L - start, 0), chunk);
+  // The slice's page ids -> shared memory, asynchronously (the emit translates from them).
+  for (int i = tid; i < (n_local + DSA_PAGE_SIZE - 1) / DSA_PAGE_SIZE; i += kThreads)
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(smem_addr(pages + i)),
+                 "l"(out.table + start / DSA_PAGE_SIZE + i)
+                 : "memory");
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
   const int nvec = (n_local + 3) / 4;
   const float* src = p.logits + row * p.logits_stride + start;
-  const bool vec_ok = (reinterpret_cast<uintptr_t>(src) & 15) == 0;
 
+  // Keys of local positions [4v, 4v + 4); past n_local: anything (the select masks them).
   auto fetch_global = [&](int v) -> uint4 {
     const int e0 = 4 * v;
-    uint4 r;
-    if (vec_ok && e0 + 3 < n_local) {
-      const float4 f = __ldg(reinterpret_cast<const float4*>(src + e0));
-      r = make_uint4(order_key(f.x), order_key(f.y), order_key(f.z), order_key(f.w));
+    if constexpr (kSource != kUnalignedRows) {  // rows 16-byte aligned: the vector is inside the row
+      const float4 f = __ldg(reinterpret_cast<const float4*>(src) + v);
+      return make_uint4(order_key(f.x), order_key(f.y), order_key(f.z), order_key(f.w));
     } else {
+      uint4 r;
       r.x = e0 + 0 < n_local ? order_key(src[e0 + 0]) : 0u;
       r.y = e0 + 1 < n_local ? order_key(src[e0 + 1]) : 0u;
       r.z = e0 + 2 < n_local ? order_key(src[e0 + 2]) : 0u;
       r.w = e0 + 3 < n_local ? order_key(src[e0 + 3]) : 0u;
+      return r;
     }
-    return r;
   };
   auto fetch = [&](int v) -> uint4 {
-    if constexpr (kCached) return keys[v];
+    if constexpr (kSource == kCachedKeys) return keys[v];
     else return fetch_global(v);
   };
 
-  // Pass 0 histogram (digit key >> 21) while the slice is read once from global memory.
+  // Pass 0 histogram (digit key >> 21) while the slice is read once from global memory; every
+  // thread runs the same trip count (hist_add4 is warp-collective).
   for (int i = tid; i < kBins; i += kThreads) s.hist[0][i] = 0;
   __syncthreads();
   {
-    RunHist rh{s.hist[0]};
-    // Straight-line 16-byte loads, all kUnroll issued before the first use (a version with a
-    // scalar fallback inside the unrolled loop serialised them: ~0.8 us per element batch).
-    constexpr int kUnroll = 4;  // loads in flight per thread (2 CTAs x 32 KB per SM)
-    const int nvec_fast = vec_ok ? n_local / 4 : 0;  // full, aligned vectors
-    const float4* src4 = reinterpret_cast<const float4*>(src);
-    auto consume = [&](int v, uint4 kv) {
-      if constexpr (kCached) keys[v] = kv;
-      const uint32_t kk[4] = {kv.x, kv.y, kv.z, kv.w};
+    constexpr int kUnroll = 4;  // 16-byte loads in flight per thread
+    for (int v0 = 0; v0 < nvec; v0 += kUnroll * kThreads) {
+      uint4 kv[kUnroll];
 #pragma unroll
-      for (int e = 0; e < 4; ++e)
-        if (4 * v + e < n_local) rh.add(kk[e] >> kFirstShift);
-    };
-    for (int v0 = tid; v0 < nvec_fast; v0 += kUnroll * kThreads) {
-      float4 buf[kUnroll];
+      for (int u = 0; u < kUnroll; ++u) kv[u] = fetch_global(min(v0 + u * kThreads + tid, nvec - 1));  // clamped: a valid load
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
-        const int v = min(v0 + u * kThreads, nvec_fast - 1);  // clamped: always a valid load
-        buf[u] = __ldg(src4 + v);
-      }
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int v = v0 + u * kThreads;
-        if (v < nvec_fast)
-          consume(v, make_uint4(order_key(buf[u].x), order_key(buf[u].y), order_key(buf[u].z),
-                                order_key(buf[u].w)));
+        const int v = v0 + u * kThreads + tid;
+        if constexpr (kSource == kCachedKeys) {
+          if (v < nvec) keys[v] = kv[u];
+        }
+        hist_add4(smem_addr(s.hist[0]), kv[u], min(max(n_local - 4 * v, 0), 4));
       }
     }
-    for (int v = nvec_fast + tid; v < nvec; v += kThreads) consume(v, fetch_global(v));  // tail / unaligned
-    rh.flush();
   }
 
-  const SelectSmem<kThreads> sm{s.hist[0], s.hist[1], s.slice, &s.x};
-  cluster_select_emit<kThreads, kMaxCluster>(cluster, sm, n_local, start, k, fetch, out);
+  asm volatile("cp.async.wait_all;\n" ::: "memory");  // the select's barriers publish the page ids
+  const SelectSmem<kThreads> sm{s.hist[0], s.hist[1], s.slice, bits, s.cand, pages, &s.x};
+  cluster_select_emit<kThreads, kMaxCluster>(cluster, sm, n_local, start, chunk, k, fetch, out);
 }
 
 int num_sms() {
@@ -128,46 +136,46 @@ int num_sms() {
 
 struct Plan {
   int cluster, chunk;
-  bool cached;
+  Source source;
   size_t smem;
 };
 
-// Cluster size by a small cost model: waves of clusters x per-CTA work (elements, with a fixed
-// overhead for the barriers and scans; an uncached slice is re-read from global memory).
-Plan make_plan(int64_t rows, int max_len) {
-  constexpr int64_t kOverheadElems = 6000;
-  constexpr int64_t kSmemPerSm = 228 * 1024, kSmemReservedPerCta = 1024;
+// Cluster size: one CTA per SM is fastest (the select is issue- and latency-bound, and two CTAs
+// on an SM compete for its issue slots; 2026-11-30 H200 runs), so the widest C (a power of two
+// up to 16) with rows * C <= SMs, at least 1. The slice is cached in shared memory when it fits.
+// DSA_TOPK_CLUSTER=C forces the cluster size (benchmarks, experiments).
+Plan make_plan(int64_t rows, int max_len, bool aligned) {
+  constexpr size_t kSmemPerSm = 227 * 1024;
+  static const int forced = [] {
+    const char* e = getenv("DSA_TOPK_CLUSTER");
+    const int c = e ? atoi(e) : 0;
+    return (c == 1 || c == 2 || c == 4 || c == 8 || c == 16) ? c : 0;
+  }();
   const int64_t sms = num_sms();
-  Plan best{1, 0, false, 0};
-  int64_t best_cost = INT64_MAX;
-  for (int c = 1; c <= kMaxCluster; c *= 2) {  // C divides the bin counts
-    const int chunk = (int)dsa_ceil_div(dsa_ceil_div(max_len, c), 4) * 4;
-    const bool cached = chunk <= kCacheCapElems;
-    const size_t smem = kSmemFixedBytes + (cached ? (size_t)chunk * 4 : 0);
-    int64_t per_sm = kSmemPerSm / (int64_t)(smem + kSmemReservedPerCta);
-    per_sm = per_sm < 1 ? 1 : (per_sm > kMaxCtasPerSm ? kMaxCtasPerSm : per_sm);
-    const int64_t clusters_per_wave = (sms * per_sm / c) > 0 ? sms * per_sm / c : 1;
-    const int64_t waves = dsa_ceil_div(rows, clusters_per_wave);
-    const int64_t cost = waves * ((int64_t)chunk * (cached ? 1 : 3) + kOverheadElems);
-    if (cost < best_cost) {
-      best_cost = cost;
-      best = Plan{c, chunk, cached, smem};
-    }
-  }
-  return best;
+  auto chunk_of = [&](int c) { return (int)dsa_ceil_div(dsa_ceil_div(max_len, c), DSA_PAGE_SIZE) * DSA_PAGE_SIZE; };
+  auto fits = [&](int c) { return aligned && smem_bytes(chunk_of(c), true) <= kSmemPerSm; };
+  int c = 1;
+  while (c < kMaxCluster && rows * (2 * c) <= sms) c *= 2;
+  // A large batch whose rows do not fit in shared memory: two CTAs per SM hide the re-read better
+  // (128 x 128K: 53.5 us at C = 2, 60.2 at C = 1; 128 x 32K, cached: 23.0 at C = 1, 31.7 at C = 2).
+  if (c == 1 && !fits(1) && rows <= 2 * sms) c = 2;
+  if (forced) c = forced;
+  const int chunk = chunk_of(c);
+  const bool cached = fits(c);  // the cached kernel reads rows as vectors
+  return Plan{c, chunk, cached ? kCachedKeys : (aligned ? kAlignedRows : kUnalignedRows), smem_bytes(chunk, cached)};
 }
 
-template <bool kCached>
+template <Source kSource>
 int launch(const DsaTopkTranslateParams& p, const Plan& plan, int max_len, cudaStream_t stream) {
   static size_t configured_smem = 0;  // raise the opt-in limit once (not a stream operation)
   if (plan.smem > configured_smem) {
-    DSA_CUDA_CHECK(cudaFuncSetAttribute(topk_translate_kernel<kCached>,
+    DSA_CUDA_CHECK(cudaFuncSetAttribute(topk_translate_kernel<kSource>,
                                         cudaFuncAttributeMaxDynamicSharedMemorySize, (int)plan.smem));
     configured_smem = plan.smem;
   }
   static bool non_portable = false;
   if (plan.cluster > 8 && !non_portable) {
-    DSA_CUDA_CHECK(cudaFuncSetAttribute(topk_translate_kernel<kCached>,
+    DSA_CUDA_CHECK(cudaFuncSetAttribute(topk_translate_kernel<kSource>,
                                         cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
     non_portable = true;
   }
@@ -183,7 +191,7 @@ int launch(const DsaTopkTranslateParams& p, const Plan& plan, int max_len, cudaS
   attr[0].val.clusterDim.z = 1;
   cfg.attrs = attr;
   cfg.numAttrs = 1;
-  DSA_CUDA_CHECK(cudaLaunchKernelEx(&cfg, topk_translate_kernel<kCached>, p, plan.chunk, max_len));
+  DSA_CUDA_CHECK(cudaLaunchKernelEx(&cfg, topk_translate_kernel<kSource>, p, plan.chunk, max_len));
   return DSA_OK;
 }
 
@@ -200,6 +208,8 @@ extern "C" int dsa_launch_topk_translate(const DsaTopkTranslateParams* p, cudaSt
   DSA_CHECK_ARG(p != nullptr, "topk_translate: params is NULL");
   DSA_CHECK_ARG(p->rows >= 0, "topk_translate: rows=%lld < 0", (long long)p->rows);
   DSA_CHECK_ARG(p->k >= 1, "topk_translate: k=%d < 1", p->k);
+  DSA_CHECK_ARG(p->k <= dsa_topk::kMaxTopk, "topk_translate: k=%d > %d (the select stages a row's selection in shared memory)",
+                p->k, dsa_topk::kMaxTopk);
   if (p->rows == 0) return DSA_OK;
   DSA_CHECK_ARG(p->rows * kMaxCluster <= INT32_MAX, "topk_translate: rows=%lld too many", (long long)p->rows);
   DSA_CHECK_ARG(p->logits && p->lengths && p->page_table && p->req_idx && p->slots,
@@ -213,6 +223,12 @@ extern "C" int dsa_launch_topk_translate(const DsaTopkTranslateParams* p, cudaSt
                             : (int64_t)p->max_pages * DSA_PAGE_SIZE;
   DSA_CHECK_ARG(width <= INT32_MAX, "topk_translate: row width %lld exceeds int32", (long long)width);
   const int max_len = (int)width;
-  const Plan plan = make_plan(p->rows, max_len > 0 ? max_len : 1);
-  return plan.cached ? launch<true>(*p, plan, max_len, stream) : launch<false>(*p, plan, max_len, stream);
+  // 16-byte aligned rows: every vector of a row lies inside it (the stride is a multiple of 4).
+  const bool aligned = (reinterpret_cast<uintptr_t>(p->logits) & 15) == 0 && p->logits_stride % 4 == 0;
+  const Plan plan = make_plan(p->rows, max_len > 0 ? max_len : 1, aligned);
+  switch (plan.source) {
+    case kCachedKeys: return launch<kCachedKeys>(*p, plan, max_len, stream);
+    case kAlignedRows: return launch<kAlignedRows>(*p, plan, max_len, stream);
+    default: return launch<kUnalignedRows>(*p, plan, max_len, stream);
+  }
 }
