@@ -14,6 +14,7 @@
 //                                        value returns DSA_ERR_UNSUPPORTED naming it, e.g.
 //                                        "indexer_logits: num_heads=48 unsupported (32, 64)".
 //   DSA_DISPATCH_FORMAT(op, value, CONST, stmts...)  the same over DsaCacheFormat (fp8, bf16).
+//   dsa_pdl_attr() / dsa_pdl_wait()      programmatic dependent launch (below).
 //
 // The dispatch macros `return` from the enclosing launcher on an unsupported value, so use them
 // only in functions returning int (a DsaStatus). stmts usually end with `break;`-free code such as
@@ -91,3 +92,21 @@ int dsa_set_error(int code, const char* fmt, ...) DSA_PRINTF_FMT(2, 3);
   }
 
 static inline int64_t dsa_ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Programmatic dependent launch (sm_90). The decode chain's kernels (indexer logits, top-k, the
+// fused indexer + top-k, sparse MLA and its combine) are launched with dsa_pdl_attr(), so each
+// one's launch and scheduling overlap the previous kernel's tail instead of following its drain.
+// Such a kernel calls dsa_pdl_wait() before its first global-memory access, read or write (the
+// previous kernel's writes are visible after it; the kernel may still read what ours writes), and
+// lets its own dependents launch once every CTA is past that point. Launched without a
+// programmatic predecessor, the wait returns at once.
+__device__ __forceinline__ void dsa_pdl_wait() {
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+}
+static inline cudaLaunchAttribute dsa_pdl_attr() {
+  cudaLaunchAttribute a = {};
+  a.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  a.val.programmaticStreamSerializationAllowed = 1;
+  return a;
+}

@@ -34,6 +34,7 @@ constexpr size_t fp8_smem_bytes() {
 template <int H>
 __global__ void __launch_bounds__(kThreads, kCtasPerSm)
     indexer_logits_fp8_kernel(const DsaIndexerLogitsParams p, const int pages_per_cta) {
+  dsa_pdl_wait();
   extern __shared__ uint8_t smem_raw[];
   uint8_t* sq = align_smem_1024(smem_raw);
   Stage* stages = reinterpret_cast<Stage*>(sq + H * DSA_INDEX_DIM);
@@ -150,7 +151,15 @@ int launch(const DsaIndexerLogitsParams& p, cudaStream_t stream) {
     const dim3 grid((unsigned)p.num_tokens, (unsigned)splits);
     constexpr size_t smem = fp8_smem_bytes<H>();
     static_assert(smem <= 48 * 1024, "fp8 logits kernel: keep under the default dynamic shared memory limit");
-    indexer_logits_fp8_kernel<H><<<grid, kThreads, smem, stream>>>(p, (int)ppc);
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = grid;
+    cfg.blockDim = dim3(kThreads);
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = stream;
+    cudaLaunchAttribute attr[1] = {dsa_pdl_attr()};
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    DSA_CUDA_CHECK(cudaLaunchKernelEx(&cfg, indexer_logits_fp8_kernel<H>, p, (int)ppc));
   } else {
     DSA_CHECK_SUPPORTED(p.max_pages <= 65535, "indexer_logits: bf16 mode max_pages=%d > 65535", p.max_pages);
     const dim3 grid((unsigned)p.num_tokens, (unsigned)p.max_pages);

@@ -95,6 +95,7 @@ struct FusedLayout {
 template <int H, int W>
 __global__ void __launch_bounds__(kWgThreads * W, 4 / W)
     indexer_topk_fused_kernel(const DsaIndexerTopkParams p, const int64_t token0, const int ppc) {
+  dsa_pdl_wait();
   constexpr int kThreads = kWgThreads * W;
   cg::cluster_group cluster = cg::this_cluster();
   const int C = (int)cluster.num_blocks();
@@ -188,8 +189,8 @@ constexpr double kWgBytesPerUs = 17e3;            // one fused warpgroup (B = 1:
 constexpr double kFusedWaveUs = 28.0;             // select + emit of a wave of clusters, launch
 constexpr double kSelectUsPerKeyPerThread = 0.094; // the select's sweeps, per key of a thread's slice
 constexpr double kLogitsFixedUs = 10.0;           // logits kernel at B = 1 (14 us at 128K)
-constexpr double kTopkFixedUs = 20.0;             // top-k kernel: fixed part (28 us for one 128K row)
-constexpr double kTopkBytesPerUs = 0.5e6;         // top-k kernel: rows x width x 4 B at ~0.5 TB/s
+constexpr double kTopkFixedUs = 15.0;             // top-k kernel: fixed part (17 us for one 128K row)
+constexpr double kTopkBytesPerUs = 1.7e6;         // top-k kernel: rows x width x 4 B at ~1.7 TB/s (64 / 128 x 128K)
 
 constexpr int kClusterSizes[] = {1, 2, 4, 8, 16};
 constexpr int kWarpgroupChoices[] = {4, 2};
@@ -423,13 +424,14 @@ int launch_fused_shape(const DsaIndexerTopkParams& p, const Launch& l, cudaStrea
   cfg.blockDim = dim3(kWgThreads * W);
   cfg.dynamicSmemBytes = l.shape.smem;
   cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
+  cudaLaunchAttribute attr[2];
   attr[0].id = cudaLaunchAttributeClusterDimension;
   attr[0].val.clusterDim.x = (unsigned)l.shape.cluster;
   attr[0].val.clusterDim.y = 1;
   attr[0].val.clusterDim.z = 1;
+  attr[1] = dsa_pdl_attr();
   cfg.attrs = attr;
-  cfg.numAttrs = 1;
+  cfg.numAttrs = 2;
   DSA_CUDA_CHECK(cudaLaunchKernelEx(&cfg, indexer_topk_fused_kernel<H, W>, p, l.token0, l.shape.ppc));
   return DSA_OK;
 }

@@ -455,6 +455,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_fp8_kernel(const DsaSp
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
+  dsa_pdl_wait();
   {  // the chunk's slots (sm.slots[i] = key tile0 * 64 + i of the token), padded with -1 to whole
      // tiles; out-of-range slots are skipped too
     const CtaWork w = cta_work<kHeadBlocks, kSplit>(p, plan);
@@ -521,9 +522,15 @@ int launch_kernel(const DsaSparseMlaParams& p, const SplitPlan& plan, cudaStream
   const int64_t blocks = p.num_tokens * kHeadBlocks * (kSplit ? plan.n_splits : 1);
   DSA_CHECK_ARG(blocks <= INT32_MAX, "sparse_mla: num_tokens=%lld gives %lld blocks (> 2^31 - 1)",
                 static_cast<long long>(p.num_tokens), static_cast<long long>(blocks));
-  sparse_mla_fp8_kernel<kRows, kHeadBlocks, kSplit>
-      <<<static_cast<unsigned>(blocks), kThreads, kSmemBytes, stream>>>(p, plan);
-  DSA_CUDA_CHECK_LAUNCH();
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(static_cast<unsigned>(blocks));
+  cfg.blockDim = dim3(kThreads);
+  cfg.dynamicSmemBytes = kSmemBytes;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1] = {dsa_pdl_attr()};
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  DSA_CUDA_CHECK(cudaLaunchKernelEx(&cfg, sparse_mla_fp8_kernel<kRows, kHeadBlocks, kSplit>, p, plan));
   return DSA_OK;
 }
 

@@ -29,6 +29,7 @@ constexpr int kCombineThreads = kVDim / 4;  // 128: one (token, head) row per CT
 // latent in that chunk) makes the row NaN, as in the unsplit kernel.
 __global__ void __launch_bounds__(kCombineThreads)
     sparse_mla_combine_kernel(const DsaSparseMlaParams p, const SplitPlan plan) {
+  dsa_pdl_wait();
   const int64_t rows = p.num_tokens * p.num_heads;
   const int64_t row = blockIdx.x;
   const float* lse_part = plan.part_lse + row;  // chunk s: lse_part[s * rows]
@@ -67,8 +68,14 @@ int launch_split(const DsaSparseMlaParams& p, const SplitPlan& plan, cudaStream_
   const int64_t rows = p.num_tokens * p.num_heads;
   DSA_CHECK_ARG(rows <= INT32_MAX, "sparse_mla: num_tokens=%lld x num_heads=%d rows exceed 2^31 - 1",
                 static_cast<long long>(p.num_tokens), p.num_heads);
-  sparse_mla_combine_kernel<<<static_cast<unsigned>(rows), kCombineThreads, 0, stream>>>(p, plan);
-  DSA_CUDA_CHECK_LAUNCH();
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(static_cast<unsigned>(rows));
+  cfg.blockDim = dim3(kCombineThreads);
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1] = {dsa_pdl_attr()};
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  DSA_CUDA_CHECK(cudaLaunchKernelEx(&cfg, sparse_mla_combine_kernel, p, plan));
   return DSA_OK;
 }
 

@@ -49,6 +49,7 @@ enum Source { kCachedKeys, kAlignedRows, kUnalignedRows };
 template <Source kSource>
 __global__ void __launch_bounds__(kThreads, kMaxCtasPerSm) topk_translate_kernel(const DsaTopkTranslateParams p, const int chunk,
                                                                   const int max_len) {
+  dsa_pdl_wait();
   cg::cluster_group cluster = cg::this_cluster();
   const int C = (int)cluster.num_blocks();
   const int rank = (int)cluster.block_rank();
@@ -107,7 +108,7 @@ __global__ void __launch_bounds__(kThreads, kMaxCtasPerSm) topk_translate_kernel
   for (int i = tid; i < kBins; i += kThreads) s.hist[0][i] = 0;
   __syncthreads();
   {
-    constexpr int kUnroll = 4;  // 16-byte loads in flight per thread
+    constexpr int kUnroll = 8;  // 16-byte loads in flight per thread (64 KB per 512-thread CTA)
     for (int v0 = 0; v0 < nvec; v0 += kUnroll * kThreads) {
       uint4 kv[kUnroll];
 #pragma unroll
@@ -184,13 +185,14 @@ int launch(const DsaTopkTranslateParams& p, const Plan& plan, int max_len, cudaS
   cfg.blockDim = dim3(kThreads);
   cfg.dynamicSmemBytes = plan.smem;
   cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
+  cudaLaunchAttribute attr[2];
   attr[0].id = cudaLaunchAttributeClusterDimension;
   attr[0].val.clusterDim.x = plan.cluster;
   attr[0].val.clusterDim.y = 1;
   attr[0].val.clusterDim.z = 1;
+  attr[1] = dsa_pdl_attr();
   cfg.attrs = attr;
-  cfg.numAttrs = 1;
+  cfg.numAttrs = 2;
   DSA_CUDA_CHECK(cudaLaunchKernelEx(&cfg, topk_translate_kernel<kSource>, p, plan.chunk, max_len));
   return DSA_OK;
 }
