@@ -110,3 +110,17 @@ static inline cudaLaunchAttribute dsa_pdl_attr() {
   a.val.programmaticStreamSerializationAllowed = 1;
   return a;
 }
+// kernel<<<grid, block, smem, stream>>>(args...) as a programmatic dependent launch.
+template <typename... KernelArgs, typename... Args>
+static inline cudaError_t dsa_launch_pdl(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t smem,
+                                         cudaStream_t stream, Args... args) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1] = {dsa_pdl_attr()};
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  return cudaLaunchKernelEx(&cfg, kernel, args...);
+}

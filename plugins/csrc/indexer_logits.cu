@@ -151,15 +151,7 @@ int launch(const DsaIndexerLogitsParams& p, cudaStream_t stream) {
     const dim3 grid((unsigned)p.num_tokens, (unsigned)splits);
     constexpr size_t smem = fp8_smem_bytes<H>();
     static_assert(smem <= 48 * 1024, "fp8 logits kernel: keep under the default dynamic shared memory limit");
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = grid;
-    cfg.blockDim = dim3(kThreads);
-    cfg.dynamicSmemBytes = smem;
-    cfg.stream = stream;
-    cudaLaunchAttribute attr[1] = {dsa_pdl_attr()};
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
-    DSA_CUDA_CHECK(cudaLaunchKernelEx(&cfg, indexer_logits_fp8_kernel<H>, p, (int)ppc));
+    DSA_CUDA_CHECK(dsa_launch_pdl(indexer_logits_fp8_kernel<H>, grid, dim3(kThreads), smem, stream, p, (int)ppc));
   } else {
     DSA_CHECK_SUPPORTED(p.max_pages <= 65535, "indexer_logits: bf16 mode max_pages=%d > 65535", p.max_pages);
     const dim3 grid((unsigned)p.num_tokens, (unsigned)p.max_pages);

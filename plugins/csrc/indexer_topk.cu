@@ -37,12 +37,14 @@
 //                             + kTopkFixedUs + T * max_len * 4 / kTopkBytesPerUs
 // and the cheaper runs. A few tokens get wide clusters (C = 16, W = 4: 64 warpgroups stream one
 // token, about what indexer_logits reaches at B = 1), a batch gets the narrowest shape that holds
-// its keys (at 128K: C = 4, W = 2, ~32 tokens per wave). The constants are fitted to the H200
-// (benchmarks/RESULTS.md, 2026-11-30: fused 45.5 / 231 / 784 us at B = 1 / 32 / 128 x 128K and
-// 78.6 us at B = 32 x 32K; two kernels 33.0 / 205 / 712 / 81.9 us): the select of a wave costs
-// ~30-40 us that the memory-bound scoring does not hide (one CTA per SM, and every CTA of a wave
-// reaches its select at the same time), so AUTO picks the two kernels at 128K and the fused kernel
-// at 32K, B = 32. With workspace == NULL, AUTO is fused whenever a fused shape fits. Calibrate the
+// its keys (at 128K: C = 4, W = 2, ~32 tokens per wave). The fused constants are fitted to the
+// H200 (benchmarks/RESULTS.md, first 2026-11-30 run: fused 45.5 / 231 / 784 us at B = 1 / 32 / 128
+// x 128K and 78.6 us at B = 32 x 32K); the top-k ones to the one-sweep select of the second
+// 2026-11-30 run (17.6 us for one 128K row, 35 / 54 us for 64 / 128 rows). With the new select
+// the fused kernel measures 43.5 / 208 / 697 / 77 us and the two kernels 28 / 196 / 646 / 70:
+// the select of a wave still runs after the memory-bound scoring of the whole wave (one CTA per
+// SM, and every CTA of a wave reaches its select at the same time), so AUTO picks the two kernels
+// at 128K. With workspace == NULL, AUTO is fused whenever a fused shape fits. Calibrate the
 // constants with benchmarks/bench_indexer_topk.py, which times both paths.
 #include <math.h>
 #include <stdio.h>

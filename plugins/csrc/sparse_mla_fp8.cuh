@@ -522,15 +522,8 @@ int launch_kernel(const DsaSparseMlaParams& p, const SplitPlan& plan, cudaStream
   const int64_t blocks = p.num_tokens * kHeadBlocks * (kSplit ? plan.n_splits : 1);
   DSA_CHECK_ARG(blocks <= INT32_MAX, "sparse_mla: num_tokens=%lld gives %lld blocks (> 2^31 - 1)",
                 static_cast<long long>(p.num_tokens), static_cast<long long>(blocks));
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(static_cast<unsigned>(blocks));
-  cfg.blockDim = dim3(kThreads);
-  cfg.dynamicSmemBytes = kSmemBytes;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1] = {dsa_pdl_attr()};
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  DSA_CUDA_CHECK(cudaLaunchKernelEx(&cfg, sparse_mla_fp8_kernel<kRows, kHeadBlocks, kSplit>, p, plan));
+  DSA_CUDA_CHECK(dsa_launch_pdl(sparse_mla_fp8_kernel<kRows, kHeadBlocks, kSplit>, dim3(static_cast<unsigned>(blocks)),
+                                dim3(kThreads), kSmemBytes, stream, p, plan));
   return DSA_OK;
 }
 

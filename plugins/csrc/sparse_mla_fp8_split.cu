@@ -68,14 +68,8 @@ int launch_split(const DsaSparseMlaParams& p, const SplitPlan& plan, cudaStream_
   const int64_t rows = p.num_tokens * p.num_heads;
   DSA_CHECK_ARG(rows <= INT32_MAX, "sparse_mla: num_tokens=%lld x num_heads=%d rows exceed 2^31 - 1",
                 static_cast<long long>(p.num_tokens), p.num_heads);
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(static_cast<unsigned>(rows));
-  cfg.blockDim = dim3(kCombineThreads);
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1] = {dsa_pdl_attr()};
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  DSA_CUDA_CHECK(cudaLaunchKernelEx(&cfg, sparse_mla_combine_kernel, p, plan));
+  DSA_CUDA_CHECK(dsa_launch_pdl(sparse_mla_combine_kernel, dim3(static_cast<unsigned>(rows)), dim3(kCombineThreads), 0,
+                                stream, p, plan));
   return DSA_OK;
 }
 
