@@ -4,6 +4,10 @@ against the independent references in tests/ref_dsa_ops.py. Runs on the H200; sk
 from __future__ import annotations
 
 import ctypes
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -240,6 +244,46 @@ def test_topk_translate(K, case):
     slots2 = torch.full_like(slots, -7)
     K.topk_translate(logits, lengths, page_table, req_idx, k, slots=slots2)
     assert torch.equal(slots, slots2), f"{name}: rerun without indices differs"
+
+
+CLUSTER_SHAPE_SCRIPT = r"""
+import sys, torch
+sys.path.insert(0, {tests!r})
+from test_kernels_indexer_topk import make_topk_inputs
+from dsa_trt.plugins import cuda_ops as K
+assert K.library() is not None, K.library_error()
+out = {{}}
+for name, rows, width, kind in {cases!r}:
+    logits, lengths, pt, ri = make_topk_inputs(rows, width, [width - 3 * i for i in range(rows)], kind, 11)
+    slots, idx = K.topk_translate(logits, lengths, pt, ri, 2048, return_indices=True)
+    out[name] = (slots.cpu(), idx.cpu())
+torch.save(out, sys.argv[1])
+"""
+CLUSTER_SHAPE_CASES = [("randn_4x128k", 4, 131072, "randn"), ("zeros99_2x64k", 2, 65536, "zeros99"),
+                       ("levels_2x64k", 2, 65536, "levels"), ("dups_3x100k", 3, 100000, "dups")]
+
+
+def test_topk_output_independent_of_cluster_shape(K, tmp_path):
+    """The selection and its order (ascending positions) are the same whatever the cluster size:
+    one process per DSA_TOPK_CLUSTER (read once per process), outputs compared bitwise."""
+    script = CLUSTER_SHAPE_SCRIPT.format(tests=str(Path(__file__).parent), cases=CLUSTER_SHAPE_CASES)
+    results = {}
+    for c in (1, 2, 4, 8, 16):
+        dst = tmp_path / f"c{c}.pt"
+        env = dict(os.environ, DSA_TOPK_CLUSTER=str(c))
+        run = subprocess.run([sys.executable, "-c", script, str(dst)], env=env, capture_output=True, text=True,
+                             timeout=300)
+        assert run.returncode == 0, f"DSA_TOPK_CLUSTER={c}: {run.stderr[-2000:]}"
+        results[c] = torch.load(dst)
+    for name, rows, width, kind in CLUSTER_SHAPE_CASES:
+        logits, lengths, pt, ri = make_topk_inputs(rows, width, [width - 3 * i for i in range(rows)], kind, 11)
+        slots, idx = (t.to(DEV) for t in results[1][name])
+        R.check_topk(logits, lengths, pt, ri, 2048, slots, idx)
+        R.check_tie_rule(name, logits, lengths, 2048, idx)
+        assert bool((idx[:, 1:] > idx[:, :-1]).all()), f"{name}: positions not in ascending order"
+        for c in (2, 4, 8, 16):
+            assert torch.equal(results[c][name][0], results[1][name][0]) and torch.equal(
+                results[c][name][1], results[1][name][1]), f"{name}: cluster {c} differs from cluster 1"
 
 
 def test_torch_ops_dispatch_to_kernels(K):
