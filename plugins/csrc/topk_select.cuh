@@ -18,7 +18,7 @@
 // 2. One sweep over the keys (reversed, so an uncached slice is re-read from L2 in the order that
 //    hits most): keys above the bin set bits of a selection bitmap; keys in the bin set bits of a
 //    tie bitmap, or are taken whole, or (at most kCandCap) become candidates (key, position).
-//    Most tiles of 128 keys hold no such key and cost a max and a vote.
+//    Per key two compares; bitmap words take predicated shared reductions.
 // 3. Candidates: after a cluster barrier every CTA loads all of the row's candidates (DSMEM) into
 //    registers and finishes the radix select on them locally (the same result in every CTA), then
 //    marks its own positions: above the threshold -> selected, equal -> tied.

@@ -228,6 +228,10 @@ extern "C" int dsa_launch_topk_translate(const DsaTopkTranslateParams* p, cudaSt
   // 16-byte aligned rows: every vector of a row lies inside it (the stride is a multiple of 4).
   const bool aligned = (reinterpret_cast<uintptr_t>(p->logits) & 15) == 0 && p->logits_stride % 4 == 0;
   const Plan plan = make_plan(p->rows, max_len > 0 ? max_len : 1, aligned);
+  DSA_CHECK_SUPPORTED(plan.smem <= 227 * 1024,
+                      "topk_translate: rows of %d positions need %zu B of shared memory per CTA at cluster size %d "
+                      "(the select's bitmaps grow with the slice; max 232448)",
+                      max_len, plan.smem, plan.cluster);
   switch (plan.source) {
     case kCachedKeys: return launch<kCachedKeys>(*p, plan, max_len, stream);
     case kAlignedRows: return launch<kAlignedRows>(*p, plan, max_len, stream);
