@@ -17,7 +17,7 @@ FLOPs and bytes like the peer it is compared with (perf_anchors.md §2):
   Each fused row also times the logits kernel alone on the same inputs (the ratio's denominator),
   and the fused and unfused (two-kernel) paths forced, to calibrate the dispatch in indexer_topk.cu.
 
-Usage: python benchmarks/bench_indexer_topk.py [--iters 20] [--md out.md] [--only fused]
+Usage: python benchmarks/bench_indexer_topk.py [--iters 20] [--md out.md] [--only logits|fused|topk]
 """
 
 from __future__ import annotations
@@ -115,8 +115,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--md", default=None)
-    ap.add_argument("--only", choices=("fused", "topk"), default=None,
-                    help="run only the fused logits + top-k rows, or only the top-k + translation rows")
+    ap.add_argument("--only", choices=("logits", "fused", "topk"), default=None,
+                    help="run only the logits rows, the fused logits + top-k rows or the top-k + translation rows")
     args = ap.parse_args()
     assert K.library() is not None, K.library_error()
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -127,12 +127,13 @@ def main() -> None:
     if args.only != "topk":
         pool_pages = 128 * 2048 + 64
         pool = random_index_pool(pool_pages, g)
-        if args.only is None:
+        if args.only in (None, "logits"):
             logits_rows(pool, pool_pages, g, flush, args, lines)
-        fused_lines = fused_rows(pool, pool_pages, g, flush, args)
+        if args.only in (None, "fused"):
+            fused_lines = fused_rows(pool, pool_pages, g, flush, args)
         del pool
         torch.cuda.empty_cache()
-    if args.only != "fused":
+    if args.only in (None, "topk"):
         topk_rows(g, flush, args, lines)
 
     table = "\n\n".join("\n".join(t) for t in (lines, fused_lines) if len(t) > 2)

@@ -89,6 +89,7 @@ class IndexerLogitsParams(ctypes.Structure):
         ("max_pages", c_int),
         ("logits_stride", c_int64),
         ("format", c_int),
+        ("num_requests", c_int),
     ]
 
 
@@ -427,7 +428,7 @@ def indexer_logits(q, weights, pool, page_table, req_idx, seq_lens, out: torch.T
         return out
     p = IndexerLogitsParams(
         _ptr(q), _ptr(weights), _ptr(pool), _ptr(page_table), _ptr(req_idx), _ptr(seq_lens), _ptr(out), num_tokens,
-        heads, max_pages, _row_stride(out), fmt,
+        heads, max_pages, _row_stride(out), fmt, page_table.shape[0],
     )
     with torch.cuda.device(dev):
         _require_lib().launch(op, p, dev)

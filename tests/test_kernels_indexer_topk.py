@@ -88,7 +88,9 @@ LOGIT_CASES = [
     # name, heads, batch, tokens per request, max_pages, seq_lens (None = causal tail), pool pages
     ("decode_ragged_h64", 64, 4, 1, 10, [1, 64, 65, 640], 64),
     ("decode_ragged_h32", 32, 4, 1, 10, [640, 3, 128, 0], 64),
-    ("prefill_2req_h64", 64, 2, 35, 6, None, 40),
+    ("prefill_2req_h64", 64, 2, 35, 6, None, 40),  # token pairs, one pair across the two requests
+    ("prefill_3req_odd_h32", 32, 3, 7, 9, None, 40),  # 21 tokens: the last pair is one token
+    ("mtp2_decode_h64", 64, 5, 2, 45, [2500, 2501, 64, 65, 1, 2, 0, 1, 2879, 2880], 300),
     ("decode_odd_pages_h64", 64, 3, 1, 33, [2100, 1, 33 * 64], 200),
     ("decode_128k_h64", 64, 2, 1, 2048, [131072, 131072 - 77], 4200),
 ]
@@ -157,6 +159,25 @@ def test_indexer_logits_fp8(K, case):
     out2 = torch.full_like(out, float("nan"))
     K.indexer_logits(q8, w_folded, pool, page_table, req_idx, seq, out=out2)
     assert torch.equal(out.view(torch.int32), out2.view(torch.int32)), f"{name}: rerun differs"
+
+
+@pytest.mark.parametrize("heads", [64, 32])
+def test_indexer_logits_token_pairs_equal_single_tokens(K, heads):
+    """With more tokens than requests the kernel scores two tokens per CTA (one wgmma of N = 2H);
+    each token's logits must be bitwise those of scoring it alone (one token, one request)."""
+    q, w, keys, page_table, req_idx, seq = make_logit_inputs(heads, 3, 9, 40, None, 160, 11)
+    seq[4] = 70  # a short token inside a pair: its pages end before its partner's
+    pool = R.build_index_pool(keys)
+    q8, qs = quant_q(q)
+    w_folded = (w * qs).contiguous()
+    out = torch.full((q.shape[0], 40 * 64), float("nan"), device=DEV)
+    K.indexer_logits(q8, w_folded, pool, page_table, req_idx, seq, out=out)
+    for t in range(q.shape[0]):
+        one = K.indexer_logits(q8[t : t + 1], w_folded[t : t + 1], pool, page_table, req_idx[t : t + 1],
+                               seq[t : t + 1])
+        assert torch.equal(out[t : t + 1].view(torch.int32), one.view(torch.int32)), (
+            f"token {t}: pair score differs from the single-token score, max "
+            f"{float((out[t] - one[0]).abs().nan_to_num(0).max()):.3g}")
 
 
 @pytest.mark.parametrize("heads", [64, 32])

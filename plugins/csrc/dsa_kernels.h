@@ -86,6 +86,9 @@ typedef struct {
   int max_pages;
   int64_t logits_stride;
   int format;
+  int num_requests;           // rows of page_table (0 = unknown). Only a hint: with more tokens
+                              // than requests (prefill, multi-token decode) the fp8 kernel scores
+                              // two consecutive tokens per CTA, sharing their pages.
 } DsaIndexerLogitsParams;
 
 int dsa_launch_indexer_logits(const DsaIndexerLogitsParams* p, cudaStream_t stream);

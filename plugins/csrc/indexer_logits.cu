@@ -3,12 +3,22 @@
 //   logits[t, s] = sum_h w[t,h] * relu(q[t,h] . k[s]) * k_scale[s]   s < seq_len[t]
 //                = -inf                                               seq_len[t] <= s < max_pages*64
 //
-// fp8 path (memory bound: 132 B of key per 2*H*128 FLOP). One CTA = one warpgroup (128 threads)
-// scores one query token against a run of up to 32 pages of its request, with the page scoring
-// of indexer_tile.cuh (4 x wgmma m64nHk32 e4m3, A = the page's keys in registers, B = q in shared
-// memory; shared with the fused indexer_topk.cu so both give bitwise the same scores). Each thread
-// cp.async-copies its own 16-byte chunks of a page into a 4-stage shared-memory ring (3 pages in
-// flight per CTA, no block barriers) and reads them back as its A fragment.
+// fp8 path. One CTA = one warpgroup (128 threads) scores a group of TT query tokens against a run
+// of pages of their request, with the page scoring of indexer_tile.cuh (4 x wgmma m64n(TT*H)k32
+// e4m3, A = the page's keys in registers, B = the tokens' q in shared memory; TT = 1 is shared
+// with the fused indexer_topk.cu so both give bitwise the same scores). Each thread cp.async-copies
+// its own 16-byte chunks of a page into a 4-stage shared-memory ring (3 pages in flight per CTA, no
+// block barriers) and reads them back as its A fragment. The page ids come 32 at a time (a warp's
+// lanes), the next 32 loaded while the current ones are used.
+//   TT = 1 (decode: one token per request): memory bound, 132 B of key per 2*H*128 FLOP.
+//   TT = 2 (the launcher's choice when there are more tokens than requests: prefill, MTP decode):
+//     consecutive tokens of one request share every page they both see, so a page is copied and
+//     read once per pair (one token per CTA re-read each page per token: prefill 4096 x 32K took
+//     2858 us, pairs 2163). What bounds the pair kernel is shared memory (ncu: L1 76%, tensor
+//     pipe 49%, issue 47%): per page-pair the wgmma reads q, 16 KB, as its B operand, and the
+//     keys pass through shared memory twice (cp.async in, LDS out: 16.5 KB), ~260 cycles at 128
+//     B/cycle against 256 cycles of QGMMA. A pair whose tokens belong to different requests (a
+//     request boundary) runs two passes, one per token.
 //
 // bf16 path (exact mode): plain CUDA cores, one thread per key, fp32 accumulation. Correctness
 // only.
@@ -22,77 +32,146 @@ namespace {
 
 using namespace dsa_indexer;
 
-constexpr int kThreads = kWgThreads;    // one warpgroup
-constexpr int kMaxPagesPerCta = 32;     // page ids of a CTA live in one warp's lanes
-constexpr int kCtasPerSm = 5;
+constexpr int kThreads = kWgThreads;  // one warpgroup
 
-template <int H>
-constexpr size_t fp8_smem_bytes() {
-  return 1024 + H * DSA_INDEX_DIM + kStages * sizeof(Stage);  // alignment slack, q tile, stages
-}
+template <int H, int TT>
+struct Fp8Shape {
+  static constexpr int kMinCtasPerSm = TT == 1 ? 5 : 3;  // registers: 32 / 64 accumulators
+  static constexpr size_t kSmem = 1024 + TT * H * DSA_INDEX_DIM + kStages * sizeof(Stage);  // slack, q, ring
+};
 
-template <int H>
-__global__ void __launch_bounds__(kThreads, kCtasPerSm)
+template <int H, int TT>
+__global__ void __launch_bounds__(kThreads, (Fp8Shape<H, TT>::kMinCtasPerSm))
     indexer_logits_fp8_kernel(const DsaIndexerLogitsParams p, const int pages_per_cta) {
+  static_assert(TT == 1 || TT == 2, "one or two tokens per CTA");
   dsa_pdl_wait();
   extern __shared__ uint8_t smem_raw[];
   uint8_t* sq = align_smem_1024(smem_raw);
-  Stage* stages = reinterpret_cast<Stage*>(sq + H * DSA_INDEX_DIM);
+  Stage* stages = reinterpret_cast<Stage*>(sq + TT * H * DSA_INDEX_DIM);
 
-  const int t = blockIdx.x;
   const int tid = threadIdx.x, lane = tid & 31;
+  const int64_t t0 = (int64_t)blockIdx.x * TT;
   const int max_cols = p.max_pages * DSA_PAGE_SIZE;
-  const int seq_len = min(max(p.seq_lens[t], 0), max_cols);
-  const int valid_pages = (seq_len + DSA_PAGE_SIZE - 1) / DSA_PAGE_SIZE;
   const int p_begin = blockIdx.y * pages_per_cta;
   const int p_end = min(p_begin + pages_per_cta, p.max_pages);
-  const int p_valid_end = min(p_end, valid_pages);
-  float* out = p.logits + (int64_t)t * p.logits_stride;
 
-  for (int col = max(p_begin, p_valid_end) * DSA_PAGE_SIZE + tid; col < p_end * DSA_PAGE_SIZE; col += kThreads)
-    out[col] = -CUDART_INF_F;
-  const int n = p_valid_end - p_begin;
-  if (n <= 0) return;
+  bool valid[TT];
+  int seq_len[TT], req[TT], page_end[TT];  // page_end: this CTA's last visible page + 1 (or p_begin)
+#pragma unroll
+  for (int u = 0; u < TT; ++u) {
+    valid[u] = t0 + u < p.num_tokens;
+    seq_len[u] = valid[u] ? min(max(p.seq_lens[t0 + u], 0), max_cols) : 0;
+    req[u] = valid[u] ? p.req_idx[t0 + u] : -1;
+    page_end[u] = max(p_begin, min(p_end, (seq_len[u] + DSA_PAGE_SIZE - 1) / DSA_PAGE_SIZE));
+    if (valid[u]) {
+      float* out = p.logits + (t0 + u) * p.logits_stride;
+      for (int col = page_end[u] * DSA_PAGE_SIZE + tid; col < p_end * DSA_PAGE_SIZE; col += kThreads)
+        out[col] = -CUDART_INF_F;
+    }
+  }
+  // One pass over the pages of req[0] for every token, or (tokens of different requests) one
+  // pass per token.
+  bool one_pass = true;
+#pragma unroll
+  for (int u = 1; u < TT; ++u) one_pass = one_pass && (!valid[u] || req[u] == req[0]);
+  auto pass_pages = [&](int pass) {  // pages of the pass: [p_begin, p_begin + n)
+    int e = p_begin;
+#pragma unroll
+    for (int u = 0; u < TT; ++u)
+      if (one_pass ? true : u == pass) e = max(e, page_end[u]);
+    return e - p_begin;
+  };
+  const int passes = one_pass ? 1 : TT;
+  bool any = false;
+  for (int pass = 0; pass < passes; ++pass) any = any || pass_pages(pass) > 0;
+  if (!any) return;
 
-  // Lane i of every warp holds the page id of page p_begin + i.
-  const int req = p.req_idx[t];
-  const int my_page = lane < n ? p.page_table[(int64_t)req * p.max_pages + p_begin + lane] : 0;
+  // This lane's output: token `tok` (TT = 2: lane c of each quad -> token c >> 1), key row `row`.
+  const int tok = TT == 1 ? 0 : (lane & 3) >> 1;
+  const int row = score_row(tid);
+  const bool lane_stores = TT == 2 || stores_score(tid);
+  float* my_out = p.logits + (t0 + tok) * p.logits_stride;
+  const int my_seq_len = TT == 1 ? seq_len[0] : (tok ? seq_len[TT - 1] : seq_len[0]);
+  const bool my_valid = TT == 1 ? valid[0] : (tok ? valid[TT - 1] : valid[0]);
 
-  const uint8_t* pool = static_cast<const uint8_t*>(p.pool);
-  const FragOffsets fo = frag_offsets(tid);
+  const PageRing pr = make_page_ring(stages, p.pool, tid);
+  // Page ids of the pass, 32 at a time in the lanes of every warp: ids_cur for issue indices
+  // [32m, 32m + 32), ids_next for the following 32 (already on its way).
+  const int32_t* ids_row = nullptr;
+  int n = 0, ids_cur = 0, ids_next = 0;
+  auto start_pass = [&](int pass) {
+    n = pass_pages(pass);
+    ids_row = p.page_table + (int64_t)(one_pass || pass == 0 ? req[0] : req[TT - 1]) * p.max_pages + p_begin;
+    ids_cur = lane < n ? ids_row[lane] : 0;
+    ids_next = lane + 32 < n ? ids_row[lane + 32] : 0;
+  };
   auto issue = [&](int i) {  // page i -> stage i % kStages (always commits a group)
     if (i < n) {
-      const int page = __shfl_sync(0xffffffffu, my_page, i);
-      issue_page(stages[i % kStages], pool + (int64_t)page * DSA_INDEX_PAGE_BYTES, fo, tid);
+      if ((i & 31) == 0 && i > 0) {
+        ids_cur = ids_next;
+        ids_next = i + 32 + lane < n ? ids_row[i + 32 + lane] : 0;
+      }
+      const int page = __shfl_sync(0xffffffffu, ids_cur, i & 31);
+      ring_issue(pr, i % kStages, page);
     }
     cp_async_commit();
   };
+
+  int pass = 0;
+  while (pass_pages(pass) <= 0) ++pass;  // the first pass with pages (one exists)
+  start_pass(pass);
 #pragma unroll
   for (int i = 0; i < kStages - 1; ++i) issue(i);
 
-  // q[t] -> shared (overlaps the first pages), head weights -> registers.
-  stage_q<H, kThreads>(sq, static_cast<const uint8_t*>(p.q) + (int64_t)t * H * DSA_INDEX_DIM, tid);
-  float wr[H / 8][2];
-  load_head_weights<H>(wr, p.weights + (int64_t)t * H, tid);
+  // q of the tokens -> shared (overlaps the first pages), head weights -> registers.
+  float wr[TT][H / 8][2];
+#pragma unroll
+  for (int u = 0; u < TT; ++u) {
+    if (valid[u]) {
+      stage_q<H, kThreads>(sq + u * H * DSA_INDEX_DIM,
+                           static_cast<const uint8_t*>(p.q) + (t0 + u) * H * DSA_INDEX_DIM, tid);
+      load_head_weights<H>(wr[u], p.weights + (t0 + u) * H, tid);
+    } else {
+#pragma unroll
+      for (int j = 0; j < H / 8; ++j) wr[u][j][0] = wr[u][j][1] = 0.f;
+    }
+  }
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
   __syncthreads();
   const uint64_t desc = make_desc_sw128(sq);
 
-  const int row = score_row(tid);
-  const bool stores = stores_score(tid);
-  float d[H / 2];
-  for (int i = 0; i < n; ++i) {
-    cp_async_wait<kStages - 2>();  // this thread's copies of page i have landed
-    const PageFrag f = read_frag(stages[i % kStages], tid);
-    issue(i + kStages - 1);  // into the stage read (and consumed) in iteration i - 1
-
-    const float score = score_page<H>(d, f, desc, wr, tid);
-    if (stores) {
-      const int col = (p_begin + i) * DSA_PAGE_SIZE + row;
-      out[col] = col < seq_len ? score : -CUDART_INF_F;
+  for (;;) {
+    const bool stores = lane_stores && my_valid && (one_pass || tok == pass);
+    float* const out_row = my_out + p_begin * DSA_PAGE_SIZE + row;  // page i: out_row[64 * i]
+    const int visible = my_seq_len - (p_begin * DSA_PAGE_SIZE + row);  // page i: 64 * i < visible
+    auto store = [&](int i, float score) {
+      if (stores) out_row[i * DSA_PAGE_SIZE] = i * DSA_PAGE_SIZE < visible ? score : -CUDART_INF_F;
+    };
+    auto next_frag = [&](int i) {  // page i's fragment; page i + kStages - 1 into the freed stage
+      cp_async_wait<kStages - 2>();  // this thread's copies of page i have landed
+      const PageFrag f = ring_read(pr, i % kStages);
+      issue(i + kStages - 1);  // into the stage read in an earlier iteration
+      return f;
+    };
+    if constexpr (TT == 1) {
+      float d[H / 2];
+      for (int i = 0; i < n; ++i) store(i, score_page<H>(d, next_frag(i), desc, wr[0], tid));
+    } else {
+      float d[H];
+      for (int i = 0; i < n; ++i) {
+        const PageFrag f = next_frag(i);
+        mma_page_pair<H>(d, f, desc);
+        wgmma_wait<0>();
+        store(i, reduce_page_pair<H>(d, f.scale, wr, tid));
+      }
     }
+    cp_async_wait<0>();
+    do ++pass; while (pass < passes && pass_pages(pass) <= 0);
+    if (pass >= passes) break;
+    start_pass(pass);
+#pragma unroll
+    for (int i = 0; i < kStages - 1; ++i) issue(i);
   }
-  cp_async_wait<0>();
 }
 
 // Exact mode: bf16 q and keys, fp32 accumulation on CUDA cores. One CTA = one (token, page).
@@ -139,19 +218,67 @@ int num_sms() {
   return sms > 0 ? sms : 132;
 }
 
+// Pages per CTA for `groups` token groups over max_pages pages with `resident` CTAs on the GPU
+// at once (measured on the H200, benchmarks/RESULTS.md):
+//   TT = 1 (decode, memory bound): the work spread over every resident CTA, at most 16 pages per
+//     CTA. Many short CTAs balance the SMs through the block scheduler: at 128K, B = 128, 16 pages
+//     per CTA took 579 us, 32 pages 584, one wave of 410 pages 614.
+//   TT = 2 (pairs, compute bound): a grid of N CTAs of ppc pages takes about ceil(N / resident)
+//     waves of (ppc + ~2 pages of per-CTA cost: q staging, the first pages' latency); the cheapest
+//     split wins (the fewest CTAs on a tie). Prefill 4096 x 32K: 2401 us against 2476 for 32
+//     pages per CTA.
+constexpr int kMaxDecodePagesPerCta = 16;
+constexpr int kCtaFixedPages = 2;
+constexpr int kMaxSplits = 1024;
+template <int TT>
+int64_t pages_per_cta(int64_t groups, int max_pages, int64_t resident) {
+  if (TT == 1) {
+    const int64_t ppc = dsa_ceil_div(groups * max_pages, resident);
+    return ppc < 1 ? 1 : (ppc > kMaxDecodePagesPerCta ? kMaxDecodePagesPerCta : ppc);
+  }
+  int64_t best_ppc = max_pages, best_cost = INT64_MAX, prev_ppc = -1;
+  for (int s = 1; s <= max_pages && s <= kMaxSplits; ++s) {
+    const int64_t ppc = dsa_ceil_div(max_pages, s);
+    if (ppc == prev_ppc) continue;
+    prev_ppc = ppc;
+    const int64_t ctas = groups * dsa_ceil_div(max_pages, ppc);
+    const int64_t cost = dsa_ceil_div(ctas, resident) * (ppc + kCtaFixedPages);
+    if (cost < best_cost) best_cost = cost, best_ppc = ppc;
+  }
+  return best_ppc;
+}
+
+template <int H, int TT>
+int launch_fp8(const DsaIndexerLogitsParams& p, cudaStream_t stream) {
+  using Shape = Fp8Shape<H, TT>;
+  static int per_sm = 0;  // resident CTAs per SM (occupancy of this instantiation)
+  if (per_sm == 0) {
+    DSA_CUDA_CHECK(cudaFuncSetAttribute(indexer_logits_fp8_kernel<H, TT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        (int)Shape::kSmem));
+    int n = 0;
+    DSA_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, indexer_logits_fp8_kernel<H, TT>, kThreads,
+                                                                 Shape::kSmem));
+    DSA_CHECK_SUPPORTED(n > 0, "indexer_logits: the fp8 kernel (heads=%d, %d tokens per CTA) does not fit an SM", H, TT);
+    per_sm = n;
+  }
+  const int64_t groups = dsa_ceil_div(p.num_tokens, TT);
+  const int64_t ppc = pages_per_cta<TT>(groups, p.max_pages, (int64_t)num_sms() * per_sm);
+  const int64_t splits = dsa_ceil_div(p.max_pages, ppc);
+  DSA_CHECK_SUPPORTED(splits <= 65535, "indexer_logits: max_pages=%d too large (page splits %lld > 65535)",
+                      p.max_pages, (long long)splits);
+  const dim3 grid((unsigned)groups, (unsigned)splits);
+  DSA_CUDA_CHECK(dsa_launch_pdl(indexer_logits_fp8_kernel<H, TT>, grid, dim3(kThreads), Shape::kSmem, stream, p,
+                                (int)ppc));
+  return DSA_OK;
+}
+
 template <int H, int kFormat>
 int launch(const DsaIndexerLogitsParams& p, cudaStream_t stream) {
   if constexpr (kFormat == DSA_CACHE_FP8) {
-    const int64_t work = p.num_tokens * p.max_pages;
-    int64_t ppc = dsa_ceil_div(work, (int64_t)num_sms() * kCtasPerSm);
-    ppc = ppc < 1 ? 1 : (ppc > kMaxPagesPerCta ? kMaxPagesPerCta : ppc);
-    const int64_t splits = dsa_ceil_div(p.max_pages, ppc);
-    DSA_CHECK_SUPPORTED(splits <= 65535, "indexer_logits: max_pages=%d too large (page splits %lld > 65535)",
-                        p.max_pages, (long long)splits);
-    const dim3 grid((unsigned)p.num_tokens, (unsigned)splits);
-    constexpr size_t smem = fp8_smem_bytes<H>();
-    static_assert(smem <= 48 * 1024, "fp8 logits kernel: keep under the default dynamic shared memory limit");
-    DSA_CUDA_CHECK(dsa_launch_pdl(indexer_logits_fp8_kernel<H>, grid, dim3(kThreads), smem, stream, p, (int)ppc));
+    // Pairs of tokens when there are more tokens than requests (some tokens share a request).
+    const bool pairs = p.num_requests > 0 && p.num_tokens > p.num_requests;
+    const int rc = pairs ? launch_fp8<H, 2>(p, stream) : launch_fp8<H, 1>(p, stream);
+    if (rc != DSA_OK) return rc;
   } else {
     DSA_CHECK_SUPPORTED(p.max_pages <= 65535, "indexer_logits: bf16 mode max_pages=%d > 65535", p.max_pages);
     const dim3 grid((unsigned)p.num_tokens, (unsigned)p.max_pages);

@@ -6,7 +6,7 @@
 // One warpgroup (128 threads) scores a page with 4 x wgmma m64nHk32 e4m3 (QGMMA):
 //   A = the page's 64 keys in registers (PageFrag: each thread holds 2 x 32 bytes of its rows
 //       r0 = 16 * warp + g and r0 + 8, copied as four 16-byte chunks through a shared-memory
-//       ring of kStages pages per warpgroup: issue_page / read_frag), and
+//       ring of kStages pages per warpgroup: PageRing, ring_issue / ring_read), and
 //   B = the token's q [H, 128], staged once in shared memory (128-byte swizzle, stage_q),
 // so the accumulator holds [64 keys x H heads]: the head reduction is 16 in-thread FMAs per key
 // row plus two shuffles. The K dimension is permuted (the dot product does not care): a thread's
@@ -91,71 +91,110 @@ struct Wgmma<32> {
   }
 };
 
+template <>
+struct Wgmma<128> {
+  __device__ __forceinline__ static void run(float (&d)[64], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                             uint64_t desc, int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+        "{%64, %65, %66, %67}, %68, p, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc), "r"(scale_d));
+  }
+};
+
 // A page's keys for one thread: rows r0 and r0+8, 32 bytes each, plus the scale this lane stores.
 struct PageFrag {
   uint4 lo0, hi0, lo1, hi1;  // row r0: bytes [16c,+16), [16c+64,+16); row r0+8: the same
   float scale;
 };
 
-// Byte offsets, inside a page of the pool, of what thread `wtid` (0..127 of its warpgroup) loads
-// into its PageFrag. Lanes c = 0 / 1 store rows r0 / r0 + 8 (score_row), so they load those scales.
-struct FragOffsets {
-  int lo0, hi0, lo1, hi1, scale;
-};
-__device__ __forceinline__ FragOffsets frag_offsets(int wtid) {
-  const int lane = wtid & 31, c = lane & 3, r0 = 16 * (wtid >> 5) + (lane >> 2);
-  return FragOffsets{r0 * DSA_INDEX_DIM + 16 * c, r0 * DSA_INDEX_DIM + 16 * (c + 4),
-                     (r0 + 8) * DSA_INDEX_DIM + 16 * c, (r0 + 8) * DSA_INDEX_DIM + 16 * (c + 4),
-                     kIndexKeyBytes + 4 * (c == 1 ? r0 + 8 : r0)};
-}
-// The key row (0..63) whose score score_page() returns in lanes c < 2 (c = 0: r0, c = 1: r0 + 8).
+// The key row (0..63) whose score score_page() returns in lanes c < 2 and score_page_pair() in
+// every lane: r0 for even c, r0 + 8 for odd c.
 __device__ __forceinline__ int score_row(int wtid) {
   const int lane = wtid & 31;
-  return 16 * (wtid >> 5) + (lane >> 2) + ((lane & 3) == 1 ? 8 : 0);
+  return 16 * (wtid >> 5) + (lane >> 2) + ((lane & 1) ? 8 : 0);
 }
 __device__ __forceinline__ bool stores_score(int wtid) { return (wtid & 3) < 2; }
 
-// The page ring: each thread cp.async-copies its own 16-byte chunks of a page (frag_offsets) into
-// one stage and later reads back only those (read_frag), so stages need no block barrier;
-// [chunk][thread] keeps the LDS conflict-free. A warpgroup keeps kStages - 1 pages in flight.
-// (Loading straight into registers instead makes ptxas move each 16-byte vector into the
-// A-operand register tuples, rows r0 / r0 + 8 interleaved, right after the load, which waits for
-// it: no prefetch is left.)
+// The page ring: each thread cp.async-copies its own 16-byte chunks of a page into one stage and
+// later reads back only those (ring_read), so stages need no block barrier; [chunk][thread] keeps
+// the LDS conflict-free. A warpgroup keeps kStages - 1 pages in flight. (Loading straight into
+// registers instead makes ptxas move each 16-byte vector into the A-operand register tuples, rows
+// r0 / r0 + 8 interleaved, right after the load, which waits for it: no prefetch is left.)
+// Thread (warp w, lane g * 4 + c) copies bytes [16c, +16) and [16c + 64, +16) of key rows
+// r0 = 16w + g and r0 + 8, and the scale of the row it stores (score_row: r0 for even c, r0 + 8
+// for odd c).
 struct Stage {
   uint4 keys[4][kWgThreads];
   float scale[kWgThreads];
 };
 constexpr int kStages = 4;
+constexpr uint32_t kStageBytes = sizeof(Stage);
 
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"((uint32_t)__cvta_generic_to_shared(smem)),
-               "l"(gmem));
+// This thread's slots as addresses: its chunk 0 and scale in stage 0 of its warpgroup's ring
+// (shared), and its first key chunk and scale in page 0 of the pool (global). A page's copies then
+// cost one multiply-add for the page address; the other chunks are immediate offsets.
+struct PageRing {
+  uint32_t key_smem, scale_smem;
+  const uint8_t* key_g;
+  const uint8_t* scale_g;
+};
+__device__ __forceinline__ PageRing make_page_ring(Stage* ring, const void* pool, int wtid) {
+  const int lane = wtid & 31, c = lane & 3, r0 = 16 * (wtid >> 5) + (lane >> 2);
+  const uint8_t* g = static_cast<const uint8_t*>(pool);
+  return PageRing{static_cast<uint32_t>(__cvta_generic_to_shared(&ring[0].keys[0][wtid])),
+                  static_cast<uint32_t>(__cvta_generic_to_shared(&ring[0].scale[wtid])),
+                  g + r0 * DSA_INDEX_DIM + 16 * c, g + kIndexKeyBytes + 4 * ((c & 1) ? r0 + 8 : r0)};
 }
-__device__ __forceinline__ void cp_async4(void* smem, const void* gmem) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"((uint32_t)__cvta_generic_to_shared(smem)),
-               "l"(gmem));
-}
+
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
-// This thread's chunks of the page at `page_base` (a page of the pool) -> stage (not committed).
-__device__ __forceinline__ void issue_page(Stage& st, const uint8_t* page_base, const FragOffsets& fo, int wtid) {
-  cp_async16(&st.keys[0][wtid], page_base + fo.lo0);
-  cp_async16(&st.keys[1][wtid], page_base + fo.hi0);
-  cp_async16(&st.keys[2][wtid], page_base + fo.lo1);
-  cp_async16(&st.keys[3][wtid], page_base + fo.hi1);
-  cp_async4(&st.scale[wtid], page_base + fo.scale);
+// This thread's chunks of pool page `page` -> ring stage `stage` (not committed).
+__device__ __forceinline__ void ring_issue(const PageRing& r, int stage, int page) {
+  const int64_t off = (int64_t)page * DSA_INDEX_PAGE_BYTES;
+  const uint8_t* k = r.key_g + off;
+  const uint32_t s = r.key_smem + stage * kStageBytes;
+  constexpr uint32_t kChunk = kWgThreads * 16;  // bytes between a thread's chunks in a stage
+  asm volatile(
+      "cp.async.cg.shared.global [%0], [%1], 16;\n"
+      "cp.async.cg.shared.global [%2], [%3], 16;\n"
+      "cp.async.cg.shared.global [%4], [%5], 16;\n"
+      "cp.async.cg.shared.global [%6], [%7], 16;\n"
+      "cp.async.ca.shared.global [%8], [%9], 4;\n" ::"r"(s),
+      "l"(k), "r"(s + kChunk), "l"(k + 64), "r"(s + 2 * kChunk), "l"(k + 8 * DSA_INDEX_DIM), "r"(s + 3 * kChunk),
+      "l"(k + 8 * DSA_INDEX_DIM + 64), "r"(r.scale_smem + stage * kStageBytes), "l"(r.scale_g + off));
 }
-__device__ __forceinline__ PageFrag read_frag(const Stage& st, int wtid) {
+// This thread's fragment of the page in ring stage `stage` (after its cp.async group completed).
+__device__ __forceinline__ PageFrag ring_read(const PageRing& r, int stage) {
+  constexpr uint32_t kChunk = kWgThreads * 16;
+  const uint32_t s = r.key_smem + stage * kStageBytes;
   PageFrag f;
-  f.lo0 = st.keys[0][wtid];
-  f.hi0 = st.keys[1][wtid];
-  f.lo1 = st.keys[2][wtid];
-  f.hi1 = st.keys[3][wtid];
-  f.scale = st.scale[wtid];
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(f.lo0.x), "=r"(f.lo0.y), "=r"(f.lo0.z), "=r"(f.lo0.w) : "r"(s));
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(f.hi0.x), "=r"(f.hi0.y), "=r"(f.hi0.z), "=r"(f.hi0.w) : "r"(s + kChunk));
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(f.lo1.x), "=r"(f.lo1.y), "=r"(f.lo1.z), "=r"(f.lo1.w) : "r"(s + 2 * kChunk));
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(f.hi1.x), "=r"(f.hi1.y), "=r"(f.hi1.z), "=r"(f.hi1.w) : "r"(s + 3 * kChunk));
+  asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(f.scale) : "r"(r.scale_smem + stage * kStageBytes));
   return f;
 }
 
@@ -232,6 +271,62 @@ __device__ __forceinline__ float score_page(float (&d)[H / 2], const PageFrag& f
   s0 += __shfl_xor_sync(0xffffffffu, s0, 2);
   s1 += __shfl_xor_sync(0xffffffffu, s1, 2);
   return ((wtid & 3) == 0 ? s0 : s1) * f.scale;
+}
+
+// Scores of one page against two query tokens at once (q of both in shared memory: rows [0, H)
+// token 0, [H, 2H) token 1; B = 2H columns), so the page is read once for both. In two steps, so
+// a caller can keep two pages' products in flight (two accumulator sets): mma_page_pair issues and
+// commits the 4 wgmmas (no wait; f's registers must stay untouched until they complete), and after
+// wgmma_wait, reduce_page_pair returns, in lane c of each quad, the score of token c >> 1 for key
+// row r0 + 8 * (c & 1) (score_row). Per token, the in-thread sum and the quad reduction
+// ((c0 + c1) + (c2 + c3)) are those of score_page, so the score is bitwise the same as one
+// token's score_page when the tensor core's accumulation of an output element does not depend on
+// N (the tests check it). Three shuffles instead of eight: the first exchanges one row per token,
+// the second one token.
+template <int H>
+__device__ __forceinline__ void mma_page_pair(float (&d)[H], const PageFrag& f, uint64_t desc) {
+#pragma unroll
+  for (int j = 0; j < H; ++j) fence_operand(d[j]);
+  wgmma_fence();
+  Wgmma<2 * H>::run(d, f.lo0.x, f.lo1.x, f.lo0.y, f.lo1.y, desc + 0, 0);
+  Wgmma<2 * H>::run(d, f.lo0.z, f.lo1.z, f.lo0.w, f.lo1.w, desc + 2, 1);
+  Wgmma<2 * H>::run(d, f.hi0.x, f.hi1.x, f.hi0.y, f.hi1.y, desc + 4, 1);
+  Wgmma<2 * H>::run(d, f.hi0.z, f.hi1.z, f.hi0.w, f.hi1.w, desc + 6, 1);
+  wgmma_commit();
+}
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+template <int H>
+__device__ __forceinline__ float reduce_page_pair(float (&d)[H], float scale, const float (&wr)[2][H / 8][2],
+                                                  int wtid) {
+#pragma unroll
+  for (int j = 0; j < H; ++j) fence_operand(d[j]);
+  float s[2][2];  // [token][row r0, r0 + 8]
+#pragma unroll
+  for (int u = 0; u < 2; ++u) {
+    s[u][0] = 0.f;
+    s[u][1] = 0.f;
+#pragma unroll
+    for (int j = 0; j < H / 8; ++j) {
+      const int jj = u * (H / 8) + j;
+      s[u][0] = fmaf(wr[u][j][0], d[4 * jj + 0] + fabsf(d[4 * jj + 0]), s[u][0]);
+      s[u][0] = fmaf(wr[u][j][1], d[4 * jj + 1] + fabsf(d[4 * jj + 1]), s[u][0]);
+      s[u][1] = fmaf(wr[u][j][0], d[4 * jj + 2] + fabsf(d[4 * jj + 2]), s[u][1]);
+      s[u][1] = fmaf(wr[u][j][1], d[4 * jj + 3] + fabsf(d[4 * jj + 3]), s[u][1]);
+    }
+  }
+  const bool odd_row = wtid & 1, second_tok = wtid & 2;
+  float k[2];
+#pragma unroll
+  for (int u = 0; u < 2; ++u) {  // keep this lane's row, send the other
+    k[u] = odd_row ? s[u][1] : s[u][0];
+    k[u] += __shfl_xor_sync(0xffffffffu, odd_row ? s[u][0] : s[u][1], 1);
+  }
+  float v = second_tok ? k[1] : k[0];  // keep this lane's token, send the other
+  v += __shfl_xor_sync(0xffffffffu, second_tok ? k[0] : k[1], 2);
+  return v * scale;
 }
 
 }  // namespace dsa_indexer

@@ -133,12 +133,10 @@ __global__ void __launch_bounds__(kWgThreads * W, 4 / W)
   __syncthreads();
 
   // Warpgroup wg scores pages wg, wg + W, ... of the slice: its li-th page is wg + li * W.
-  const uint8_t* pool = static_cast<const uint8_t*>(p.pool);
-  const FragOffsets fo = frag_offsets(wtid);
+  const PageRing pr = make_page_ring(ring, p.pool, wtid);
   const int n_mine = n_pages > wg ? (n_pages - wg + W - 1) / W : 0;
   auto issue = [&](int li) {  // page li -> stage li % kStages (always commits a group)
-    if (li < n_mine)
-      issue_page(ring[li % kStages], pool + (int64_t)s_pages[wg + li * W] * DSA_INDEX_PAGE_BYTES, fo, wtid);
+    if (li < n_mine) ring_issue(pr, li % kStages, s_pages[wg + li * W]);
     cp_async_commit();
   };
 #pragma unroll
@@ -157,7 +155,7 @@ __global__ void __launch_bounds__(kWgThreads * W, 4 / W)
   float d[H / 2];
   for (int li = 0; li < n_mine; ++li) {  // warpgroup-uniform trip count
     cp_async_wait<kStages - 2>();         // this thread's copies of page li have landed
-    const PageFrag f = read_frag(ring[li % kStages], wtid);
+    const PageFrag f = ring_read(pr, li % kStages);
     issue(li + kStages - 1);              // into the stage read (and consumed) in iteration li - 1
     const float score = score_page<H>(d, f, desc, wr, wtid);
     if (stores) {

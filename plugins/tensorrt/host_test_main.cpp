@@ -71,7 +71,7 @@ std::vector<Case> cases()
                 expectPtr(L.logits.page_table, in[3]), expectPtr(L.logits.req_idx, in[4]);
                 expectPtr(L.logits.seq_lens, in[5]), expectPtr(L.logits.logits, out[0]);
                 EXPECT(L.logits.num_tokens == T && L.logits.num_heads == HI && L.logits.max_pages == M);
-                EXPECT(L.logits.logits_stride == M * 64 && L.logits.format == fmt);
+                EXPECT(L.logits.logits_stride == M * 64 && L.logits.format == fmt && L.logits.num_requests == B);
             },
             [](std::vector<nv::PluginTensorDesc>& in) { in[0].dims.d[1] = 8; }, "q dim 1 must be 4"});
         cs.push_back({"DsaSparseMla" + tag, &dsa_trt::sparseMlaCreator(),

@@ -104,6 +104,7 @@ public:
         p.max_pages = static_cast<int>(maxPages);
         p.logits_stride = maxPages * DSA_PAGE_SIZE; // the output is exactly [T, max_pages * 64]
         p.format = mCacheFormat;
+        p.num_requests = static_cast<int>(inDesc[kPageTable].dims.d[0]);
         if (p.num_tokens == 0 || maxPages == 0)
             return DSA_OK; // empty output: nothing to write
         return dsa_launch_indexer_logits(&p, stream);
