@@ -161,22 +161,40 @@ def test_indexer_logits_fp8(K, case):
     assert torch.equal(out.view(torch.int32), out2.view(torch.int32)), f"{name}: rerun differs"
 
 
+GROUP_CASES = [  # request of each token (consecutive tokens of a request); 2 tokens per CTA
+    ("mtp2", [0, 0, 1, 1, 2, 2, 3, 3, 4]),  # the last pair is one token
+    ("prefill_3req", [0] * 9 + [1] * 9 + [2] * 9),  # pairs across request boundaries: two passes
+    ("ragged", [0, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3]),
+]
+
+
 @pytest.mark.parametrize("heads", [64, 32])
-def test_indexer_logits_token_pairs_equal_single_tokens(K, heads):
-    """With more tokens than requests the kernel scores two tokens per CTA (one wgmma of N = 2H);
-    each token's logits must be bitwise those of scoring it alone (one token, one request)."""
-    q, w, keys, page_table, req_idx, seq = make_logit_inputs(heads, 3, 9, 40, None, 160, 11)
-    seq[4] = 70  # a short token inside a pair: its pages end before its partner's
+@pytest.mark.parametrize("case", GROUP_CASES, ids=[c[0] for c in GROUP_CASES])
+def test_indexer_logits_token_groups_equal_single_tokens(K, heads, case):
+    """With more tokens than requests the kernel scores 2 consecutive tokens per CTA (one wgmma of
+    N = 2H; one pass per distinct request in the pair); each token's logits must be bitwise those
+    of scoring it alone (one token, one request)."""
+    _, reqs = case
+    batch, T = max(reqs) + 1, len(reqs)
+    q, w, keys, page_table, _, _ = make_logit_inputs(heads, batch, 1, 40, [1] * batch, 200, 11)
+    g = gen(12)
+    q = torch.randn(T, heads, 128, generator=g, device=DEV).to(torch.bfloat16)
+    w = torch.randn(T, heads, generator=g, device=DEV) * heads**-0.5
+    req_idx = torch.tensor(reqs, device=DEV, dtype=torch.int32)
+    seq = torch.randint(1, 40 * 64 + 1, (T,), generator=g, device=DEV).to(torch.int32)
+    seq[T // 2] = 70  # a short token: its pages end before its neighbours'
     pool = R.build_index_pool(keys)
     q8, qs = quant_q(q)
     w_folded = (w * qs).contiguous()
-    out = torch.full((q.shape[0], 40 * 64), float("nan"), device=DEV)
+    out = torch.full((T, 40 * 64), float("nan"), device=DEV)
     K.indexer_logits(q8, w_folded, pool, page_table, req_idx, seq, out=out)
-    for t in range(q.shape[0]):
+    ref = R.indexer_logits(q8.float(), w_folded, R.dequant_index_pool(pool), page_table, req_idx, seq)
+    assert_inf_mask(out, ref, case[0])
+    for t in range(T):
         one = K.indexer_logits(q8[t : t + 1], w_folded[t : t + 1], pool, page_table, req_idx[t : t + 1],
                                seq[t : t + 1])
         assert torch.equal(out[t : t + 1].view(torch.int32), one.view(torch.int32)), (
-            f"token {t}: pair score differs from the single-token score, max "
+            f"{case[0]} token {t}: grouped score differs from the single-token score, max "
             f"{float((out[t] - one[0]).abs().nan_to_num(0).max()):.3g}")
 
 

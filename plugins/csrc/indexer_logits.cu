@@ -36,14 +36,17 @@ constexpr int kThreads = kWgThreads;  // one warpgroup
 
 template <int H, int TT>
 struct Fp8Shape {
-  static constexpr int kMinCtasPerSm = TT == 1 ? 5 : 3;  // registers: 32 / 64 accumulators
+  static constexpr int kMinCtasPerSm = TT == 1 ? 5 : 3;  // registers: TT*H/2 accumulators
   static constexpr size_t kSmem = 1024 + TT * H * DSA_INDEX_DIM + kStages * sizeof(Stage);  // slack, q, ring
 };
 
 template <int H, int TT>
 __global__ void __launch_bounds__(kThreads, (Fp8Shape<H, TT>::kMinCtasPerSm))
     indexer_logits_fp8_kernel(const DsaIndexerLogitsParams p, const int pages_per_cta) {
+  // (4 tokens per CTA, N = 256, fit 2 CTAs per SM and took 2265 us on the prefill shape against
+  // 2163 for pairs at 3 CTAs per SM: fewer warps to hide the wgmma and shared-memory latency.)
   static_assert(TT == 1 || TT == 2, "one or two tokens per CTA");
+  constexpr int kPerLane = TT == 1 ? 1 : TT / 2;  // tokens whose scores a lane stores
   dsa_pdl_wait();
   extern __shared__ uint8_t smem_raw[];
   uint8_t* sq = align_smem_1024(smem_raw);
@@ -69,39 +72,54 @@ __global__ void __launch_bounds__(kThreads, (Fp8Shape<H, TT>::kMinCtasPerSm))
         out[col] = -CUDART_INF_F;
     }
   }
-  // One pass over the pages of req[0] for every token, or (tokens of different requests) one
-  // pass per token.
-  bool one_pass = true;
+  // One pass per distinct request of the group: pass u (u the first token of its request, its
+  // leader) scores the pages of req[u] for every token it leads. Usually one pass.
+  int leader[TT];
 #pragma unroll
-  for (int u = 1; u < TT; ++u) one_pass = one_pass && (!valid[u] || req[u] == req[0]);
+  for (int u = 0; u < TT; ++u) {
+    leader[u] = u;
+#pragma unroll
+    for (int w = u - 1; w >= 0; --w)
+      if (valid[w] && req[w] == req[u]) leader[u] = w;
+  }
   auto pass_pages = [&](int pass) {  // pages of the pass: [p_begin, p_begin + n)
     int e = p_begin;
 #pragma unroll
     for (int u = 0; u < TT; ++u)
-      if (one_pass ? true : u == pass) e = max(e, page_end[u]);
+      if (leader[u] == pass) e = max(e, page_end[u]);
     return e - p_begin;
   };
-  const int passes = one_pass ? 1 : TT;
-  bool any = false;
-  for (int pass = 0; pass < passes; ++pass) any = any || pass_pages(pass) > 0;
-  if (!any) return;
+  int pass = 0;
+  while (pass < TT && pass_pages(pass) <= 0) ++pass;  // the first pass with pages
+  if (pass == TT) return;
 
-  // This lane's output: token `tok` (TT = 2: lane c of each quad -> token c >> 1), key row `row`.
-  const int tok = TT == 1 ? 0 : (lane & 3) >> 1;
+  // This lane's outputs: key row `row` of tokens tok(v) (TT >= 2: lane c of each quad stores
+  // tokens (c >> 1) * TT/2 + v; TT = 1: lanes c < 2 store token 0).
+  const bool upper = lane & 2;
+  auto mine = [&](const auto (&a)[TT], int v) { return TT == 1 ? a[0] : (upper ? a[TT / 2 + v] : a[v]); };
   const int row = score_row(tid);
-  const bool lane_stores = TT == 2 || stores_score(tid);
-  float* my_out = p.logits + (t0 + tok) * p.logits_stride;
-  const int my_seq_len = TT == 1 ? seq_len[0] : (tok ? seq_len[TT - 1] : seq_len[0]);
-  const bool my_valid = TT == 1 ? valid[0] : (tok ? valid[TT - 1] : valid[0]);
+  const bool lane_stores = TT > 1 || stores_score(tid);
+  float* out_row[kPerLane];  // page i of the CTA: out_row[v][64 * i]
+  int visible[kPerLane];     // page i: 64 * i < visible[v]
+#pragma unroll
+  for (int v = 0; v < kPerLane; ++v) {
+    const int tok = TT == 1 ? 0 : (upper ? TT / 2 : 0) + v;
+    out_row[v] = p.logits + (t0 + tok) * p.logits_stride + p_begin * DSA_PAGE_SIZE + row;
+    visible[v] = mine(seq_len, v) - (p_begin * DSA_PAGE_SIZE + row);
+  }
 
   const PageRing pr = make_page_ring(stages, p.pool, tid);
   // Page ids of the pass, 32 at a time in the lanes of every warp: ids_cur for issue indices
   // [32m, 32m + 32), ids_next for the following 32 (already on its way).
   const int32_t* ids_row = nullptr;
   int n = 0, ids_cur = 0, ids_next = 0;
-  auto start_pass = [&](int pass) {
-    n = pass_pages(pass);
-    ids_row = p.page_table + (int64_t)(one_pass || pass == 0 ? req[0] : req[TT - 1]) * p.max_pages + p_begin;
+  auto start_pass = [&](int ps) {
+    n = pass_pages(ps);
+    int r = req[0];
+#pragma unroll
+    for (int u = 1; u < TT; ++u)
+      if (u == ps) r = req[u];
+    ids_row = p.page_table + (int64_t)r * p.max_pages + p_begin;
     ids_cur = lane < n ? ids_row[lane] : 0;
     ids_next = lane + 32 < n ? ids_row[lane + 32] : 0;
   };
@@ -117,8 +135,6 @@ __global__ void __launch_bounds__(kThreads, (Fp8Shape<H, TT>::kMinCtasPerSm))
     cp_async_commit();
   };
 
-  int pass = 0;
-  while (pass_pages(pass) <= 0) ++pass;  // the first pass with pages (one exists)
   start_pass(pass);
 #pragma unroll
   for (int i = 0; i < kStages - 1; ++i) issue(i);
@@ -141,11 +157,16 @@ __global__ void __launch_bounds__(kThreads, (Fp8Shape<H, TT>::kMinCtasPerSm))
   const uint64_t desc = make_desc_sw128(sq);
 
   for (;;) {
-    const bool stores = lane_stores && my_valid && (one_pass || tok == pass);
-    float* const out_row = my_out + p_begin * DSA_PAGE_SIZE + row;  // page i: out_row[64 * i]
-    const int visible = my_seq_len - (p_begin * DSA_PAGE_SIZE + row);  // page i: 64 * i < visible
-    auto store = [&](int i, float score) {
-      if (stores) out_row[i * DSA_PAGE_SIZE] = i * DSA_PAGE_SIZE < visible ? score : -CUDART_INF_F;
+    bool stores[kPerLane];
+#pragma unroll
+    for (int v = 0; v < kPerLane; ++v) {
+      bool mv = valid[0];
+      int ml = leader[0];
+      if (TT > 1) mv = mine(valid, v), ml = mine(leader, v);
+      stores[v] = lane_stores && mv && ml == pass;
+    }
+    auto store = [&](int i, int v, float score) {
+      if (stores[v]) out_row[v][i * DSA_PAGE_SIZE] = i * DSA_PAGE_SIZE < visible[v] ? score : -CUDART_INF_F;
     };
     auto next_frag = [&](int i) {  // page i's fragment; page i + kStages - 1 into the freed stage
       cp_async_wait<kStages - 2>();  // this thread's copies of page i have landed
@@ -155,19 +176,22 @@ __global__ void __launch_bounds__(kThreads, (Fp8Shape<H, TT>::kMinCtasPerSm))
     };
     if constexpr (TT == 1) {
       float d[H / 2];
-      for (int i = 0; i < n; ++i) store(i, score_page<H>(d, next_frag(i), desc, wr[0], tid));
+      for (int i = 0; i < n; ++i) store(i, 0, score_page<H>(d, next_frag(i), desc, wr[0], tid));
     } else {
-      float d[H];
+      float d[TT * H / 2];
       for (int i = 0; i < n; ++i) {
         const PageFrag f = next_frag(i);
-        mma_page_pair<H>(d, f, desc);
+        mma_page_group<H, TT>(d, f, desc);
         wgmma_wait<0>();
-        store(i, reduce_page_pair<H>(d, f.scale, wr, tid));
+        float score[TT / 2];
+        reduce_page_group<H, TT>(d, f.scale, wr, tid, score);
+#pragma unroll
+        for (int v = 0; v < TT / 2; ++v) store(i, v, score[v]);
       }
     }
     cp_async_wait<0>();
-    do ++pass; while (pass < passes && pass_pages(pass) <= 0);
-    if (pass >= passes) break;
+    do ++pass; while (pass < TT && pass_pages(pass) <= 0);
+    if (pass >= TT) break;
     start_pass(pass);
 #pragma unroll
     for (int i = 0; i < kStages - 1; ++i) issue(i);

@@ -273,39 +273,40 @@ __device__ __forceinline__ float score_page(float (&d)[H / 2], const PageFrag& f
   return ((wtid & 3) == 0 ? s0 : s1) * f.scale;
 }
 
-// Scores of one page against two query tokens at once (q of both in shared memory: rows [0, H)
-// token 0, [H, 2H) token 1; B = 2H columns), so the page is read once for both. In two steps, so
-// a caller can keep two pages' products in flight (two accumulator sets): mma_page_pair issues and
-// commits the 4 wgmmas (no wait; f's registers must stay untouched until they complete), and after
-// wgmma_wait, reduce_page_pair returns, in lane c of each quad, the score of token c >> 1 for key
-// row r0 + 8 * (c & 1) (score_row). Per token, the in-thread sum and the quad reduction
-// ((c0 + c1) + (c2 + c3)) are those of score_page, so the score is bitwise the same as one
-// token's score_page when the tensor core's accumulation of an output element does not depend on
-// N (the tests check it). Three shuffles instead of eight: the first exchanges one row per token,
-// the second one token.
-template <int H>
-__device__ __forceinline__ void mma_page_pair(float (&d)[H], const PageFrag& f, uint64_t desc) {
+// Scores of one page against TT = 2 (or more, N = TT*H <= 256) query tokens at once (q of token u
+// in shared memory rows [u*H, u*H + H); B = TT*H columns), so the page is read once for all of
+// them. In two steps:
+// mma_page_group issues and commits the 4 wgmmas, and after wgmma_wait<0>, reduce_page_group gives
+// lane c of each quad the scores of tokens (c >> 1) * TT/2 + v, v < TT/2, for key row
+// r0 + 8 * (c & 1) (score_row). Per token, the in-thread sum and the quad reduction
+// ((c0 + c1) + (c2 + c3)) are those of score_page, so a score is bitwise the same as one token's
+// score_page when the tensor core's accumulation of an output element does not depend on N (the
+// tests check it). The first shuffle round exchanges rows (TT shuffles), the second tokens
+// (TT / 2): 3 shuffles for two tokens instead of 4 per token.
+template <int H, int TT>
+__device__ __forceinline__ void mma_page_group(float (&d)[TT * H / 2], const PageFrag& f, uint64_t desc) {
 #pragma unroll
-  for (int j = 0; j < H; ++j) fence_operand(d[j]);
+  for (int j = 0; j < TT * H / 2; ++j) fence_operand(d[j]);
   wgmma_fence();
-  Wgmma<2 * H>::run(d, f.lo0.x, f.lo1.x, f.lo0.y, f.lo1.y, desc + 0, 0);
-  Wgmma<2 * H>::run(d, f.lo0.z, f.lo1.z, f.lo0.w, f.lo1.w, desc + 2, 1);
-  Wgmma<2 * H>::run(d, f.hi0.x, f.hi1.x, f.hi0.y, f.hi1.y, desc + 4, 1);
-  Wgmma<2 * H>::run(d, f.hi0.z, f.hi1.z, f.hi0.w, f.hi1.w, desc + 6, 1);
+  Wgmma<TT * H>::run(d, f.lo0.x, f.lo1.x, f.lo0.y, f.lo1.y, desc + 0, 0);
+  Wgmma<TT * H>::run(d, f.lo0.z, f.lo1.z, f.lo0.w, f.lo1.w, desc + 2, 1);
+  Wgmma<TT * H>::run(d, f.hi0.x, f.hi1.x, f.hi0.y, f.hi1.y, desc + 4, 1);
+  Wgmma<TT * H>::run(d, f.hi0.z, f.hi1.z, f.hi0.w, f.hi1.w, desc + 6, 1);
   wgmma_commit();
 }
 template <int N>
 __device__ __forceinline__ void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
 }
-template <int H>
-__device__ __forceinline__ float reduce_page_pair(float (&d)[H], float scale, const float (&wr)[2][H / 8][2],
-                                                  int wtid) {
+template <int H, int TT>
+__device__ __forceinline__ void reduce_page_group(float (&d)[TT * H / 2], float scale,
+                                                  const float (&wr)[TT][H / 8][2], int wtid,
+                                                  float (&out)[TT / 2]) {
 #pragma unroll
-  for (int j = 0; j < H; ++j) fence_operand(d[j]);
-  float s[2][2];  // [token][row r0, r0 + 8]
+  for (int j = 0; j < TT * H / 2; ++j) fence_operand(d[j]);
+  float s[TT][2];  // [token][row r0, r0 + 8]
 #pragma unroll
-  for (int u = 0; u < 2; ++u) {
+  for (int u = 0; u < TT; ++u) {
     s[u][0] = 0.f;
     s[u][1] = 0.f;
 #pragma unroll
@@ -317,16 +318,18 @@ __device__ __forceinline__ float reduce_page_pair(float (&d)[H], float scale, co
       s[u][1] = fmaf(wr[u][j][1], d[4 * jj + 3] + fabsf(d[4 * jj + 3]), s[u][1]);
     }
   }
-  const bool odd_row = wtid & 1, second_tok = wtid & 2;
-  float k[2];
+  const bool odd_row = wtid & 1, upper = wtid & 2;
+  float k[TT];
 #pragma unroll
-  for (int u = 0; u < 2; ++u) {  // keep this lane's row, send the other
+  for (int u = 0; u < TT; ++u) {  // keep this lane's row, send the other
     k[u] = odd_row ? s[u][1] : s[u][0];
     k[u] += __shfl_xor_sync(0xffffffffu, odd_row ? s[u][0] : s[u][1], 1);
   }
-  float v = second_tok ? k[1] : k[0];  // keep this lane's token, send the other
-  v += __shfl_xor_sync(0xffffffffu, second_tok ? k[0] : k[1], 2);
-  return v * scale;
+#pragma unroll
+  for (int v = 0; v < TT / 2; ++v) {  // keep this lane's half of the tokens, send the other
+    const float keep = upper ? k[TT / 2 + v] : k[v], send = upper ? k[v] : k[TT / 2 + v];
+    out[v] = (keep + __shfl_xor_sync(0xffffffffu, send, 2)) * scale;
+  }
 }
 
 }  // namespace dsa_indexer
