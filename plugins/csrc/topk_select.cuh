@@ -331,15 +331,25 @@ __device__ __forceinline__ void cluster_select_emit(cg::cluster_group& cluster, 
       __syncthreads();
       RunHist rh{hist};
       uint32_t kmin = 0xFFFFFFFFu, kmax = 0u;
-      for (int v = tid; v < nvec; v += kThreads) {
-        const uint4 q = fetch(v);
-        const uint32_t kk[4] = {q.x, q.y, q.z, q.w};
+      // kLoads vectors in flight per thread (one at a time, this pass over an uncached 64K slice
+      // was a chain of dependent loads: ~20 us on the rows of indexer scores whose first-digit
+      // bin holds more than kCandCap keys; 4 spill at topk_translate's 64 registers).
+      constexpr int kLoads = 2;
+      for (int v0 = tid; v0 < nvec; v0 += kLoads * kThreads) {
+        uint4 q[kLoads];
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          if (4 * v + e < n_local && (kk[e] >> shift) == prefix) {
-            rh.add((kk[e] >> dshift) & dmask);
-            kmin = min(kmin, kk[e]);
-            kmax = max(kmax, kk[e]);
+        for (int u = 0; u < kLoads; ++u) q[u] = fetch(min(v0 + u * kThreads, nvec - 1));  // clamped: a valid load
+#pragma unroll
+        for (int u = 0; u < kLoads; ++u) {
+          const int v = v0 + u * kThreads;
+          const uint32_t kk[4] = {q[u].x, q[u].y, q[u].z, q[u].w};
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            if (v < nvec && 4 * v + e < n_local && (kk[e] >> shift) == prefix) {
+              rh.add((kk[e] >> dshift) & dmask);
+              kmin = min(kmin, kk[e]);
+              kmax = max(kmax, kk[e]);
+            }
           }
         }
       }
