@@ -12,7 +12,9 @@
 // row plus two shuffles. The K dimension is permuted (the dot product does not care): a thread's
 // 16-byte loads land in the A-fragment slots directly, and q is written to shared memory under the
 // same permutation. relu(x) * w = (x + |x|) * (w / 2): FADD with an |x| operand instead of the
-// half-rate FMNMX (DeepGEMM PR #452).
+// half-rate FMNMX (DeepGEMM PR #452). indexer_logits.cu also scores a page against two tokens at
+// once (mma_page_group / reduce_page_group: B = both tokens' q, N = 2H), with the same per-token
+// arithmetic.
 //
 // The K permutation. wgmma's A fragment (e4m3, k32) gives lane (g = lane/4, c = lane%4) the
 // logical k bytes [32s + 16h + 4c, +4) of rows g and g+8 in register a{2h} / a{2h+1} of k-step s.
