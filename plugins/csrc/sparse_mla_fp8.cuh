@@ -27,7 +27,9 @@
 //   WG1, WG2      consumers. O[64 x 512] fp32 needs 256 registers per thread for one warpgroup,
 //                 so consumer c owns output dims [256c, 256c + 256) (128 accumulator registers)
 //                 and computes the partial S over q/k dims [288c, 288c + 288); the two partial S
-//                 are summed through shared memory, so both run the identical softmax. 232 regs.
+//                 are summed through shared memory, so both hold the identical S and statistics;
+//                 consumer c exponentiates keys [32c, 32c + 32) and the two swap their halves of
+//                 P (e4m3) through shared memory. 232 regs.
 //
 // Key permutation: the P registers come straight from the S accumulator layout, which holds for
 // lane quad q the keys {2q, 2q+1, 8+2q, 9+2q} of each 16-key group where wgmma's A operand
@@ -86,6 +88,7 @@ struct Fp8Smem {
   uint8_t vt_tile[kVStages][kVtTileBytes];  // [64 row groups][4 key chunks][8 rows][16 B]: K-major B of PV
   float4 xchg[2][kXchgVecs][kWarpgroup];    // [consumer] partial S of the current tile
   int32_t slots[kMaxTopk];                  // this token's slots, -1 for skip / padding / out of range
+  uint32_t valid[kMaxTopk / 32];            // bit i of word w: slots[32w + i] >= 0
   uint64_t full_k[kKStages], empty_k[kKStages], full_v[kVStages], empty_v[kVStages];
 };
 
@@ -98,16 +101,6 @@ __device__ __forceinline__ uint32_t pack_e4m3x4(float a, float b, float c, float
   const uint32_t lo = __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
   const uint32_t hi = __nv_cvt_float2_to_fp8x2(make_float2(c, d), __NV_SATFINITE, __NV_E4M3);
   return lo | (hi << 16);
-}
-
-__device__ __forceinline__ void load_bf16x4(const __nv_bfloat16* src, float (&v)[4]) {
-  const uint2 raw = __ldg(reinterpret_cast<const uint2*>(src));
-  const __nv_bfloat162 a = *reinterpret_cast<const __nv_bfloat162*>(&raw.x);
-  const __nv_bfloat162 b = *reinterpret_cast<const __nv_bfloat162*>(&raw.y);
-  v[0] = __low2float(a);
-  v[1] = __high2float(a);
-  v[2] = __low2float(b);
-  v[3] = __high2float(b);
 }
 
 // Which token / head block / chunk of tiles this CTA works on. Computed after the register
@@ -206,31 +199,57 @@ __device__ __forceinline__ void consumer(Fp8Smem& sm, const DsaSparseMlaParams& 
   const int warp = ctid >> 5, lane = ctid & 31;
   const int g = lane >> 2, qd = lane & 3;
   const int row0 = warp * 16 + g;  // this thread's rows: row0 and row0 + 8 of the head block
-  const bool row_ok[2] = {row0 < kRows, row0 + 8 < kRows};
+  const bool row_ok[2] = {kRows == kHeadsPerCta || row0 < kRows, kRows == kHeadsPerCta || row0 + 8 < kRows};
   const int64_t head[2] = {static_cast<int64_t>(hb) * kHeadsPerCta + row0,
                            static_cast<int64_t>(hb) * kHeadsPerCta + row0 + 8};
 
-  // ---- q -> e4m3 per head (amax over all 576 dims: both consumers get the same scale)
+  // ---- q -> e4m3 per head, scale amax / 448 with the amax over all 576 dims. Each consumer loads
+  // only its half of the dims, all loads in flight at once (one memory latency); the halves' amax
+  // meet in shared memory.
   const __nv_bfloat16* q = static_cast<const __nv_bfloat16*>(p.q) + t * p.q_stride_token;
-  float amax[2] = {0.f, 0.f};
+  uint2 raw[kQkStepsPerWg][2][2];  // [step][row][dims 4qd.. / 16 + 4qd..] as 4 bf16
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    if (!row_ok[r]) continue;
-    const __nv_bfloat16* qrow = q + head[r] * p.q_stride_head + 4 * qd;
+    // one base per row, the 18 loads at immediate offsets (the straight-line prologue is fetched
+    // from L2 at every CTA start: its length is latency)
+    const uint2* qrow = reinterpret_cast<const uint2*>(q + head[r] * p.q_stride_head + 4 * qd + 32 * kQkStepsPerWg * c);
 #pragma unroll
-    for (int s = 0; s < kQkSteps; ++s) {
-      float lo[4], hi[4];
-      load_bf16x4(qrow + 32 * s, lo);
-      load_bf16x4(qrow + 32 * s + 16, hi);
-#pragma unroll
-      for (int i = 0; i < 4; ++i) amax[r] = fmaxf(amax[r], fmaxf(fabsf(lo[i]), fabsf(hi[i])));
+    for (int sl = 0; sl < kQkStepsPerWg; ++sl) {
+      raw[sl][r][0] = row_ok[r] ? __ldg(qrow + 8 * sl) : make_uint2(0u, 0u);
+      raw[sl][r][1] = row_ok[r] ? __ldg(qrow + 8 * sl + 4) : make_uint2(0u, 0u);
     }
+  }
+  float amax[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    __nv_bfloat162 m2 = __float2bfloat162_rn(0.f);  // max |q| is exact in bf16
+#pragma unroll
+    for (int sl = 0; sl < kQkStepsPerWg; ++sl) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        m2 = __hmax2(m2, __habs2(*reinterpret_cast<const __nv_bfloat162*>(&raw[sl][r][h].x)));
+        m2 = __hmax2(m2, __habs2(*reinterpret_cast<const __nv_bfloat162*>(&raw[sl][r][h].y)));
+      }
+    }
+    amax[r] = fmaxf(__low2float(m2), __high2float(m2));
+  }
+  {  // this half's amax: over the quad, then with the partner consumer (same ctid = same rows)
+    float2* qmax = reinterpret_cast<float2*>(&sm.xchg[0][0][0]);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      amax[r] = fmaxf(amax[r], __shfl_xor_sync(0xffffffffu, amax[r], 1));
+      amax[r] = fmaxf(amax[r], __shfl_xor_sync(0xffffffffu, amax[r], 2));
+    }
+    qmax[c * kWarpgroup + ctid] = make_float2(amax[0], amax[1]);
+    named_bar_sync(kBarConsumers, 2 * kWarpgroup);
+    const float2 other = qmax[(c ^ 1) * kWarpgroup + ctid];
+    named_bar_sync(kBarConsumers, 2 * kWarpgroup);  // read before the buffer carries partial S
+    amax[0] = fmaxf(amax[0], other.x);  // max is commutative: both consumers get the same scale
+    amax[1] = fmaxf(amax[1], other.y);
   }
   float inv[2], f[2];  // q8 = q * inv; score (log2 units) = acc * f
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    amax[r] = fmaxf(amax[r], __shfl_xor_sync(0xffffffffu, amax[r], 1));
-    amax[r] = fmaxf(amax[r], __shfl_xor_sync(0xffffffffu, amax[r], 2));
     const float a = fmaxf(amax[r], kQAmaxFloor);
     inv[r] = kFp8Max / a;
     f[r] = (a / kFp8Max) * p.sm_scale * p.kv_scale * kLog2e;
@@ -238,17 +257,14 @@ __device__ __forceinline__ void consumer(Fp8Smem& sm, const DsaSparseMlaParams& 
   uint32_t qa[kQkStepsPerWg][4];  // wgmma A fragments: {row0 k[4qd..], row0+8 k[4qd..], row0 k[16+4qd..], row0+8 ...}
 #pragma unroll
   for (int sl = 0; sl < kQkStepsPerWg; ++sl) {
-    const int s = c * kQkStepsPerWg + sl;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      float lo[4] = {0.f, 0.f, 0.f, 0.f}, hi[4] = {0.f, 0.f, 0.f, 0.f};
-      if (row_ok[r]) {
-        const __nv_bfloat16* qrow = q + head[r] * p.q_stride_head + 4 * qd + 32 * s;
-        load_bf16x4(qrow, lo);
-        load_bf16x4(qrow + 16, hi);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw[sl][r][h].x));
+        const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&raw[sl][r][h].y));
+        qa[sl][2 * h + r] = pack_e4m3x4(lo.x * inv[r], lo.y * inv[r], hi.x * inv[r], hi.y * inv[r]);
       }
-      qa[sl][r] = pack_e4m3x4(lo[0] * inv[r], lo[1] * inv[r], lo[2] * inv[r], lo[3] * inv[r]);
-      qa[sl][2 + r] = pack_e4m3x4(hi[0] * inv[r], hi[1] * inv[r], hi[2] * inv[r], hi[3] * inv[r]);
     }
   }
 
@@ -277,11 +293,18 @@ __device__ __forceinline__ void consumer(Fp8Smem& sm, const DsaSparseMlaParams& 
     for (int kk = 0; kk < 2; ++kk)
       wgmma_m64n256k32_e4m3_rs(o, pa[kk], make_smem_desc(base + kk * 2 * kCoreBytes, kCoreBytes, kVtGroupBytes), 1);
   };
+  auto tile_valid = [&](int jt) {  // the tile's 64 slot-validity bits
+    const uint2 w = *reinterpret_cast<const uint2*>(&sm.valid[2 * jt]);
+    return (static_cast<uint64_t>(w.y) << 32) | w.x;
+  };
   // Part 1 (runs while PV of the previous tile is still on the tensor cores): sum the two partial
-  // S, mask, online-softmax statistics, P = 2^(z - m + 8) into s_acc. Returns the O rescale factors.
-  auto softmax_stats = [&](int jt, float (&alpha)[2]) {
+  // S, mask (vm: the tile's slot-validity bits), online-softmax statistics. Each consumer then
+  // exponentiates only its half of the keys (consumer c: keys [32c, 32c + 32), the A fragment
+  // pa[c] of PV), packs them as e4m3 into `mine_p` and hands them to its partner through the
+  // partner's exchange buffer, which it has finished reading. Returns the O rescale factors.
+  auto softmax_stats = [&](int jt, uint64_t vm, float (&alpha)[2], uint4& mine_p) {
     float4* mine = &sm.xchg[c][0][0];
-    const float4* other = &sm.xchg[c ^ 1][0][0];
+    float4* other = &sm.xchg[c ^ 1][0][0];
 #pragma unroll
     for (int v = 0; v < kXchgVecs; ++v)
       mine[v * kWarpgroup + ctid] = make_float4(s_acc[4 * v], s_acc[4 * v + 1], s_acc[4 * v + 2], s_acc[4 * v + 3]);
@@ -294,23 +317,16 @@ __device__ __forceinline__ void consumer(Fp8Smem& sm, const DsaSparseMlaParams& 
       s_acc[4 * v + 2] += x.z;
       s_acc[4 * v + 3] += x.w;
     }
-    named_bar_sync(kBarConsumers, 2 * kWarpgroup);  // partner done reading mine: the buffer is free
-    float mx[2] = {-INFINITY, -INFINITY};
+    if (vm != ~0ull) {  // some slot of the tile is -1 (uniform branch: one mask per tile)
 #pragma unroll
-    for (int jb = 0; jb < 8; ++jb) {
-      // keys 8jb + 2qd + {0, 1} of tile jt: -1 marks a skipped / padded slot
-      const int2 sv = *reinterpret_cast<const int2*>(&sm.slots[jt * kTileKeys + jb * 8 + 2 * qd]);
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const bool ok = (e == 0 ? sv.x : sv.y) >= 0;
-#pragma unroll
-        for (int rh = 0; rh < 2; ++rh) {
-          float& x = s_acc[jb * 4 + rh * 2 + e];
-          x = ok ? x : -INFINITY;
-          mx[rh] = fmaxf(mx[rh], x);
-        }
+      for (int i = 0; i < 32; ++i) {  // s_acc[i]: key 8 (i / 4) + 2qd + (i & 1)
+        const bool ok = (vm >> (8 * (i >> 2) + 2 * qd + (i & 1))) & 1u;
+        s_acc[i] = ok ? s_acc[i] : -INFINITY;
       }
     }
+    float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int i = 0; i < 32; ++i) mx[(i >> 1) & 1] = fmaxf(mx[(i >> 1) & 1], s_acc[i]);
     float bias[2];
 #pragma unroll
     for (int rh = 0; rh < 2; ++rh) {
@@ -322,34 +338,35 @@ __device__ __forceinline__ void consumer(Fp8Smem& sm, const DsaSparseMlaParams& 
       bias[rh] = m_new == -INFINITY ? 0.f : kPOffset - m_new;
       m_run[rh] = m_new;
     }
+    float* pv = s_acc;  // my keys s_acc[16c + i] -> P in s_acc[i]
     float rs[2] = {0.f, 0.f};
 #pragma unroll
-    for (int i = 0; i < 32; ++i) {
+    for (int i = 0; i < 16; ++i) {
       const int rh = (i >> 1) & 1;
-      const float pv = ex2(fmaf(s_acc[i], f[rh], bias[rh]));  // masked: 2^-inf = 0
-      s_acc[i] = pv;
-      rs[rh] += pv;
+      pv[i] = ex2(fmaf(c ? s_acc[16 + i] : s_acc[i], f[rh], bias[rh]));  // masked: 2^-inf = 0
+      rs[rh] += pv[i];
     }
 #pragma unroll
     for (int rh = 0; rh < 2; ++rh) l_run[rh] = l_run[rh] * alpha[rh] + rs[rh];
+    mine_p = make_uint4(pack_e4m3x4(pv[0], pv[1], pv[4], pv[5]), pack_e4m3x4(pv[2], pv[3], pv[6], pv[7]),
+                        pack_e4m3x4(pv[8], pv[9], pv[12], pv[13]), pack_e4m3x4(pv[10], pv[11], pv[14], pv[15]));
+    reinterpret_cast<uint4*>(other)[ctid] = mine_p;
+    named_bar_sync(kBarConsumers, 2 * kWarpgroup);  // partner's P written into my buffer
   };
-  // Part 2 (after the previous PV completed): rescale O, pack P as e4m3 A fragments.
-  auto softmax_apply = [&](const float (&alpha)[2]) {
+  // Part 2 (after the previous PV completed): rescale O, take both halves of P as A fragments.
+  auto softmax_apply = [&](const float (&alpha)[2], const uint4& mine_p) {
     if (alpha[0] != 1.f || alpha[1] != 1.f) {
 #pragma unroll
       for (int i = 0; i < kVHalf / 2; ++i) o[i] *= alpha[(i >> 1) & 1];
     }
-#pragma unroll
-    for (int kk = 0; kk < 2; ++kk) {
-      const float* s = s_acc + 16 * kk;
-      pa[kk][0] = pack_e4m3x4(s[0], s[1], s[4], s[5]);
-      pa[kk][1] = pack_e4m3x4(s[2], s[3], s[6], s[7]);
-      pa[kk][2] = pack_e4m3x4(s[8], s[9], s[12], s[13]);
-      pa[kk][3] = pack_e4m3x4(s[10], s[11], s[14], s[15]);
-    }
+    const uint4 theirs = reinterpret_cast<const uint4*>(&sm.xchg[c][0][0])[ctid];
+    const uint4 p0 = c ? theirs : mine_p, p1 = c ? mine_p : theirs;
+    pa[0][0] = p0.x, pa[0][1] = p0.y, pa[0][2] = p0.z, pa[0][3] = p0.w;
+    pa[1][0] = p1.x, pa[1][1] = p1.y, pa[1][2] = p1.z, pa[1][3] = p1.w;
   };
 
   float alpha[2];
+  uint4 mine_p;
   // ---- tile 0: QK^T
   mbar_wait(&sm.full_k[0], 0);
   fence_proxy_async();
@@ -359,8 +376,8 @@ __device__ __forceinline__ void consumer(Fp8Smem& sm, const DsaSparseMlaParams& 
   wgmma_wait<0>();
   fence_regs(s_acc);
   warp_arrive(&sm.empty_k[0]);
-  softmax_stats(0, alpha);
-  softmax_apply(alpha);
+  softmax_stats(0, tile_valid(0), alpha, mine_p);
+  softmax_apply(alpha, mine_p);
   // ---- steady state: QK^T(j+1) then PV(j) on the tensor cores; the softmax statistics of
   // tile j+1 overlap PV(j)
   for (int j = 0; j + 1 < n_tiles; ++j) {
@@ -376,11 +393,11 @@ __device__ __forceinline__ void consumer(Fp8Smem& sm, const DsaSparseMlaParams& 
     wgmma_wait<1>();  // QK^T(j+1) done
     fence_regs(s_acc);
     warp_arrive(&sm.empty_k[kst1]);
-    softmax_stats(j + 1, alpha);
+    softmax_stats(j + 1, tile_valid(j + 1), alpha, mine_p);
     wgmma_wait<0>();  // PV(j) done
     fence_regs(o);
     warp_arrive(&sm.empty_v[vst]);
-    softmax_apply(alpha);
+    softmax_apply(alpha, mine_p);
   }
   {  // ---- last PV
     const int j = n_tiles - 1, vst = j % kVStages;
@@ -395,6 +412,13 @@ __device__ __forceinline__ void consumer(Fp8Smem& sm, const DsaSparseMlaParams& 
 
   // ---- epilogue: out = O * kv_scale / l, lse = ln2 * (m - 8 + log2 l); bf16 out and lse, or
   // (kSplit) the chunk's fp32 partials in the workspace
+  {  // each consumer summed its half of the keys: l = both halves (slot 1 of the buffers is free now)
+    reinterpret_cast<float2*>(&sm.xchg[c][1][0])[ctid] = make_float2(l_run[0], l_run[1]);
+    named_bar_sync(kBarConsumers, 2 * kWarpgroup);
+    const float2 other = reinterpret_cast<const float2*>(&sm.xchg[c ^ 1][1][0])[ctid];
+    l_run[0] += other.x;  // a + b == b + a: both consumers get the same l
+    l_run[1] += other.y;
+  }
 #pragma unroll
   for (int rh = 0; rh < 2; ++rh) {
     float l = l_run[rh];
@@ -471,8 +495,13 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_fp8_kernel(const DsaSp
     }
 #pragma unroll
     for (int r = 0; r < kPerThread; ++r) {
-      const int i = threadIdx.x + r * kThreads;
-      if (i < w.n_tiles * kTileKeys) sm.slots[i] = (v[r] < 0 || static_cast<int64_t>(v[r]) >= p.num_slots) ? -1 : v[r];
+      const int i = threadIdx.x + r * kThreads;  // a warp holds 32 consecutive keys (kThreads % 32 == 0)
+      const bool ok = v[r] >= 0 && static_cast<int64_t>(v[r]) < p.num_slots;
+      const uint32_t bits = __ballot_sync(0xffffffffu, ok);
+      if (i < w.n_tiles * kTileKeys) {
+        sm.slots[i] = ok ? v[r] : -1;
+        if ((threadIdx.x & 31) == 0) sm.valid[i >> 5] = bits;
+      }
     }
   }
   __syncthreads();
