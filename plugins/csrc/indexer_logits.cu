@@ -46,7 +46,6 @@ __global__ void __launch_bounds__(kThreads, (Fp8Shape<H, TT>::kMinCtasPerSm))
   // (4 tokens per CTA, N = 256, fit 2 CTAs per SM and took 2265 us on the prefill shape against
   // 2163 for pairs at 3 CTAs per SM: fewer warps to hide the wgmma and shared-memory latency.)
   static_assert(TT == 1 || TT == 2, "one or two tokens per CTA");
-  constexpr int kPerLane = TT == 1 ? 1 : TT / 2;  // tokens whose scores a lane stores
   dsa_pdl_wait();
   extern __shared__ uint8_t smem_raw[];
   uint8_t* sq = align_smem_1024(smem_raw);
@@ -93,20 +92,15 @@ __global__ void __launch_bounds__(kThreads, (Fp8Shape<H, TT>::kMinCtasPerSm))
   while (pass < TT && pass_pages(pass) <= 0) ++pass;  // the first pass with pages
   if (pass == TT) return;
 
-  // This lane's outputs: key row `row` of tokens tok(v) (TT >= 2: lane c of each quad stores
-  // tokens (c >> 1) * TT/2 + v; TT = 1: lanes c < 2 store token 0).
-  const bool upper = lane & 2;
-  auto mine = [&](const auto (&a)[TT], int v) { return TT == 1 ? a[0] : (upper ? a[TT / 2 + v] : a[v]); };
+  // This lane's output: key row `row` of token `tok` (TT = 2: lanes c of each quad with c & 2 store
+  // the second token, the others the first; TT = 1: lanes c < 2 store token 0).
+  const int tok = TT == 1 ? 0 : (lane & 2) >> 1;
+  auto pick = [&](const auto (&a)[TT]) { return tok ? a[TT - 1] : a[0]; };  // a[tok], in registers
   const int row = score_row(tid);
   const bool lane_stores = TT > 1 || stores_score(tid);
-  float* out_row[kPerLane];  // page i of the CTA: out_row[v][64 * i]
-  int visible[kPerLane];     // page i: 64 * i < visible[v]
-#pragma unroll
-  for (int v = 0; v < kPerLane; ++v) {
-    const int tok = TT == 1 ? 0 : (upper ? TT / 2 : 0) + v;
-    out_row[v] = p.logits + (t0 + tok) * p.logits_stride + p_begin * DSA_PAGE_SIZE + row;
-    visible[v] = mine(seq_len, v) - (p_begin * DSA_PAGE_SIZE + row);
-  }
+  // page i of the CTA: out_row[64 i], shown where 64 i < visible
+  float* const out_row = p.logits + (t0 + tok) * p.logits_stride + p_begin * DSA_PAGE_SIZE + row;
+  const int visible = pick(seq_len) - (p_begin * DSA_PAGE_SIZE + row);
 
   const PageRing pr = make_page_ring(stages, p.pool, tid);
   // Page ids of the pass, 32 at a time in the lanes of every warp: ids_cur for issue indices
@@ -157,16 +151,9 @@ __global__ void __launch_bounds__(kThreads, (Fp8Shape<H, TT>::kMinCtasPerSm))
   const uint64_t desc = make_desc_sw128(sq);
 
   for (;;) {
-    bool stores[kPerLane];
-#pragma unroll
-    for (int v = 0; v < kPerLane; ++v) {
-      bool mv = valid[0];
-      int ml = leader[0];
-      if (TT > 1) mv = mine(valid, v), ml = mine(leader, v);
-      stores[v] = lane_stores && mv && ml == pass;
-    }
-    auto store = [&](int i, int v, float score) {
-      if (stores[v]) out_row[v][i * DSA_PAGE_SIZE] = i * DSA_PAGE_SIZE < visible[v] ? score : -CUDART_INF_F;
+    const bool stores = lane_stores && pick(valid) && pick(leader) == pass;
+    auto store = [&](int i, float score) {
+      if (stores) out_row[i * DSA_PAGE_SIZE] = i * DSA_PAGE_SIZE < visible ? score : -CUDART_INF_F;
     };
     auto next_frag = [&](int i) {  // page i's fragment; page i + kStages - 1 into the freed stage
       cp_async_wait<kStages - 2>();  // this thread's copies of page i have landed
@@ -176,17 +163,16 @@ __global__ void __launch_bounds__(kThreads, (Fp8Shape<H, TT>::kMinCtasPerSm))
     };
     if constexpr (TT == 1) {
       float d[H / 2];
-      for (int i = 0; i < n; ++i) store(i, 0, score_page<H>(d, next_frag(i), desc, wr[0], tid));
+      for (int i = 0; i < n; ++i) store(i, score_page<H>(d, next_frag(i), desc, wr[0], tid));
     } else {
       float d[TT * H / 2];
       for (int i = 0; i < n; ++i) {
         const PageFrag f = next_frag(i);
         mma_page_group<H, TT>(d, f, desc);
         wgmma_wait<0>();
-        float score[TT / 2];
+        float score[TT / 2];  // TT = 2: one score per lane
         reduce_page_group<H, TT>(d, f.scale, wr, tid, score);
-#pragma unroll
-        for (int v = 0; v < TT / 2; ++v) store(i, v, score[v]);
+        store(i, score[0]);
       }
     }
     cp_async_wait<0>();
