@@ -338,18 +338,19 @@ __device__ __forceinline__ void consumer(Fp8Smem& sm, const DsaSparseMlaParams& 
       bias[rh] = m_new == -INFINITY ? 0.f : kPOffset - m_new;
       m_run[rh] = m_new;
     }
-    float* pv = s_acc;  // my keys s_acc[16c + i] -> P in s_acc[i]
     float rs[2] = {0.f, 0.f};
 #pragma unroll
-    for (int i = 0; i < 16; ++i) {
+    for (int i = 0; i < 16; ++i) {  // my keys s_acc[16c + i] -> P in s_acc[i]
       const int rh = (i >> 1) & 1;
-      pv[i] = ex2(fmaf(c ? s_acc[16 + i] : s_acc[i], f[rh], bias[rh]));  // masked: 2^-inf = 0
-      rs[rh] += pv[i];
+      s_acc[i] = ex2(fmaf(c ? s_acc[16 + i] : s_acc[i], f[rh], bias[rh]));  // masked: 2^-inf = 0
+      rs[rh] += s_acc[i];
     }
 #pragma unroll
     for (int rh = 0; rh < 2; ++rh) l_run[rh] = l_run[rh] * alpha[rh] + rs[rh];
-    mine_p = make_uint4(pack_e4m3x4(pv[0], pv[1], pv[4], pv[5]), pack_e4m3x4(pv[2], pv[3], pv[6], pv[7]),
-                        pack_e4m3x4(pv[8], pv[9], pv[12], pv[13]), pack_e4m3x4(pv[10], pv[11], pv[14], pv[15]));
+    mine_p = make_uint4(pack_e4m3x4(s_acc[0], s_acc[1], s_acc[4], s_acc[5]),
+                        pack_e4m3x4(s_acc[2], s_acc[3], s_acc[6], s_acc[7]),
+                        pack_e4m3x4(s_acc[8], s_acc[9], s_acc[12], s_acc[13]),
+                        pack_e4m3x4(s_acc[10], s_acc[11], s_acc[14], s_acc[15]));
     reinterpret_cast<uint4*>(other)[ctid] = mine_p;
     named_bar_sync(kBarConsumers, 2 * kWarpgroup);  // partner's P written into my buffer
   };
