@@ -4,8 +4,10 @@ the paged fp8 caches, beside FlashMLA's dense decode on the same H200 (h200_peer
     python benchmarks/bench_dsa_decode.py [--batches 1 128] [--context 131072] [--iters 20]
 
 Every column (each piece alone, the two-kernel chain, and the chain through indexer_topk's auto
-path, fused or two-kernel by its cost model) is its own CUDA graph, timed by replay after an L2
-flush (timing.time_us: events, median of --iters, pools scattered at random). The plan that
+path, fused or two-kernel by its cost model) is its own CUDA graph, replayed after an L2 flush
+(pools scattered at random), median of --iters: "P (E)" = P µs from the profiler (first kernel
+start to last kernel end, the peers' measure), E µs from CUDA events around the replay
+(timing.time_both_us). The plan that
 indexer_topk chose for each batch is printed under the table.
 """
 
@@ -16,7 +18,7 @@ import sys
 
 import torch
 
-from timing import time_us
+from timing import time_both_us
 
 from dsa_trt.config import PAGE_SIZE
 from dsa_trt.plugins import cuda_ops
@@ -58,10 +60,14 @@ def main() -> None:
         ops = torch.ops.dsa
         logits = ops.indexer_logits(q_i, w, idx_pool, table, req, lens)
         slots = ops.topk_translate(logits, lens, table, req, TOPK)
-        t_logits = time_us(lambda: ops.indexer_logits(q_i, w, idx_pool, table, req, lens), flush, a.iters)
-        t_topk = time_us(lambda: ops.topk_translate(logits, lens, table, req, TOPK), flush, a.iters)
-        t_fused = time_us(lambda: cuda_ops.indexer_topk(q_i, w, idx_pool, table, req, lens, TOPK), flush, a.iters)
-        t_mla = time_us(lambda: ops.sparse_mla(q, mla_pool, slots, 0.01, 0.1352), flush, a.iters)
+        def timed(fn):  # "profiler µs (events µs)"
+            ev, kern = time_both_us(fn, flush, a.iters)
+            return f"{kern:.1f} ({ev:.1f})" if kern is not None else f"— ({ev:.1f})"
+
+        t_logits = timed(lambda: ops.indexer_logits(q_i, w, idx_pool, table, req, lens))
+        t_topk = timed(lambda: ops.topk_translate(logits, lens, table, req, TOPK))
+        t_fused = timed(lambda: cuda_ops.indexer_topk(q_i, w, idx_pool, table, req, lens, TOPK))
+        t_mla = timed(lambda: ops.sparse_mla(q, mla_pool, slots, 0.01, 0.1352))
 
         def chain():
             lg = ops.indexer_logits(q_i, w, idx_pool, table, req, lens)
@@ -72,11 +78,11 @@ def main() -> None:
             sl = cuda_ops.indexer_topk(q_i, w, idx_pool, table, req, lens, TOPK)
             return ops.sparse_mla(q, mla_pool, sl, 0.01, 0.1352)
 
-        total = time_us(chain, flush, a.iters)
-        total_auto = time_us(chain_auto, flush, a.iters)
+        total = timed(chain)
+        total_auto = timed(chain_auto)
         plans.append((b, cuda_ops.indexer_topk_plan(q_i, w, idx_pool, table, req, lens, TOPK)))
-        print(f"| {b} | {a.context} | {t_logits:.1f} | {t_topk:.1f} | {t_fused:.1f} | {t_mla:.1f} | {total:.1f} | "
-              f"{total_auto:.1f} | {DENSE_FLASHMLA_US.get(b, float('nan'))} | "
+        print(f"| {b} | {a.context} | {t_logits} | {t_topk} | {t_fused} | {t_mla} | {total} | "
+              f"{total_auto} | {DENSE_FLASHMLA_US.get(b, float('nan'))} | "
               f"{PEERS_PIECES_US.get(b, float('nan'))} | {TARGET_US.get(b, float('nan'))} |", flush=True)
         del idx_pool, mla_pool, logits, slots
         torch.cuda.empty_cache()

@@ -12,11 +12,9 @@ def flush_l2(buf: torch.Tensor) -> None:
     buf.bitwise_not_()
 
 
-def time_us(fn, flush_buf, iters: int) -> float:
-    """Median µs of one call, replayed from a CUDA graph with the L2 flushed before each replay
-    (the GPU is still busy with the flush when the replay is queued, so launch overhead is not in
-    the timed region)."""
-    fn()  # first call: one-time kernel attributes
+def _capture(fn) -> torch.cuda.CUDAGraph:
+    """One call (one-time kernel attributes), two on a side stream, then a CUDA graph of fn."""
+    fn()
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -28,6 +26,10 @@ def time_us(fn, flush_buf, iters: int) -> float:
         fn()
     for _ in range(3):
         graph.replay()
+    return graph
+
+
+def _events_us(graph: torch.cuda.CUDAGraph, flush_buf, iters: int) -> float:
     times = []
     for _ in range(iters):
         flush_l2(flush_buf)
@@ -38,6 +40,52 @@ def time_us(fn, flush_buf, iters: int) -> float:
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e3)
     return statistics.median(times)
+
+
+def _kernels_us(run, flush_buf, iters: int) -> float | None:
+    """Median over iters of the GPU span of one call: first kernel start to last kernel end, read
+    from the CUDA profiler (CUPTI via torch.profiler), each call after an L2 flush. This is how the
+    peers' anchors were measured (h200_peer_anchors.md, "Timing method"). None if the profiler saw
+    no kernel of the call."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            flush_l2(flush_buf)
+            run()
+        torch.cuda.synchronize()
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.device_type() == DeviceType.CUDA),
+                    key=lambda e: e.start_ns())
+    spans, first, last = [], None, None
+    for e in events + [None]:  # None closes the last call
+        if e is None or "bitwise_not" in e.name():  # the flush kernel separates the calls
+            if first is not None:
+                spans.append((last - first) / 1e3)
+            first = last = None
+        else:
+            first = e.start_ns() if first is None else min(first, e.start_ns())
+            last = e.end_ns() if last is None else max(last, e.end_ns())
+    return statistics.median(spans) if len(spans) >= max(1, iters // 2) else None
+
+
+def time_us(fn, flush_buf, iters: int) -> float:
+    """Median µs of one call, replayed from a CUDA graph with the L2 flushed before each replay
+    (the GPU is still busy with the flush when the replay is queued, so launch overhead is not in
+    the timed region), bracketed by CUDA events."""
+    return _events_us(_capture(fn), flush_buf, iters)
+
+
+def time_both_us(fn, flush_buf, iters: int) -> tuple[float, float | None]:
+    """(events µs as time_us, kernel span µs from the profiler) of the same CUDA graph. The events
+    add ~2 µs (the replay's launch and the end event); the profiler span is the peers' measure.
+    Falls back to profiling eager calls if the profiler reports no kernels inside graph replays."""
+    graph = _capture(fn)
+    events = _events_us(graph, flush_buf, iters)
+    kernels = _kernels_us(graph.replay, flush_buf, iters)
+    if kernels is None:
+        kernels = _kernels_us(fn, flush_buf, iters)
+    return events, kernels
 
 
 def time_eager_us(fn, iters: int = 50, warmup: int = 10) -> float:

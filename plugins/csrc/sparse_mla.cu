@@ -54,18 +54,6 @@ size_t split_bytes(int64_t num_tokens, int num_heads, int n_splits) {
          kPartFloatsPerRow * sizeof(float);
 }
 
-// SMs of the current device, queried once per device (launches may happen inside graph capture).
-int current_sm_count(int* sms) {
-  constexpr int kMaxDevices = 64;
-  static std::atomic<int> cached[kMaxDevices];  // 0 = not queried yet
-  int dev = 0;
-  DSA_CUDA_CHECK(cudaGetDevice(&dev));
-  if (dev < kMaxDevices && (*sms = cached[dev].load(std::memory_order_relaxed)) > 0) return DSA_OK;
-  DSA_CUDA_CHECK(cudaDeviceGetAttribute(sms, cudaDevAttrMultiProcessorCount, dev));
-  if (dev < kMaxDevices) cached[dev].store(*sms, std::memory_order_relaxed);
-  return DSA_OK;
-}
-
 bool fp8_shape_supported(int num_heads, int topk) {
   return (num_heads == 16 || num_heads == 32 || num_heads == 64 || num_heads == 128) && topk >= 1 &&
          topk <= kMaxTopk;
@@ -80,7 +68,7 @@ int choose_splits(const DsaSparseMlaParams& p, int* n_splits) {
   if (p.num_splits == 0) {
     if (p.workspace == nullptr) return DSA_OK;
     int sms = 0;
-    const int status = current_sm_count(&sms);
+    const int status = dsa_sparse_mla::current_sm_count(&sms);
     if (status != DSA_OK) return status;
     *n_splits = max_splits(p.num_tokens, p.num_heads, p.topk, std::min<int64_t>(sms, kMaxSplitCtas));
     return DSA_OK;
@@ -99,6 +87,18 @@ int choose_splits(const DsaSparseMlaParams& p, int* n_splits) {
 }
 
 }  // namespace
+
+// SMs of the current device, queried once per device (launches may happen inside graph capture).
+int dsa_sparse_mla::current_sm_count(int* sms) {
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> cached[kMaxDevices];  // 0 = not queried yet
+  int dev = 0;
+  DSA_CUDA_CHECK(cudaGetDevice(&dev));
+  if (dev < kMaxDevices && (*sms = cached[dev].load(std::memory_order_relaxed)) > 0) return DSA_OK;
+  DSA_CUDA_CHECK(cudaDeviceGetAttribute(sms, cudaDevAttrMultiProcessorCount, dev));
+  if (dev < kMaxDevices) cached[dev].store(*sms, std::memory_order_relaxed);
+  return DSA_OK;
+}
 
 extern "C" size_t dsa_sparse_mla_workspace_size(int64_t num_tokens, int num_heads, int topk, int format) {
   if (format != DSA_CACHE_FP8 || num_tokens <= 0 || !fp8_shape_supported(num_heads, topk)) return 0;

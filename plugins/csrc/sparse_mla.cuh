@@ -26,4 +26,7 @@ int launch_fp8(const DsaSparseMlaParams& p, cudaStream_t stream);               
 int launch_fp8_split(const DsaSparseMlaParams& p, const SplitPlan& plan, cudaStream_t stream);  // sparse_mla_fp8_split.cu
 int launch_bf16(const DsaSparseMlaParams& p, cudaStream_t stream);                              // sparse_mla_bf16.cu
 
+// *sms = the current device's SM count (cached per device; safe during graph capture).  sparse_mla.cu
+int current_sm_count(int* sms);
+
 }  // namespace dsa_sparse_mla

@@ -43,6 +43,7 @@
 #include <cuda_fp8.h>
 #include <math.h>
 
+#include <algorithm>
 #include <atomic>
 
 #include "common.cuh"
@@ -87,8 +88,7 @@ struct Fp8Smem {
   uint8_t k_tile[kKStages][kKTileBytes];    // [5 blocks][64 keys][128 B, chunk c at c ^ (key & 7)]: B of QK^T
   uint8_t vt_tile[kVStages][kVtTileBytes];  // [64 row groups][4 key chunks][8 rows][16 B]: K-major B of PV
   float4 xchg[2][kXchgVecs][kWarpgroup];    // [consumer] partial S of the current tile
-  int32_t slots[kMaxTopk];                  // this token's slots, -1 for skip / padding / out of range
-  uint32_t valid[kMaxTopk / 32];            // bit i of word w: slots[32w + i] >= 0
+  uint32_t valid_k[kKStages][kGatherWarps];  // K stage's tile: bit i of word w = key 32w + i has a valid slot
   uint64_t full_k[kKStages], empty_k[kKStages], full_v[kVStages], empty_v[kVStages];
 };
 
@@ -103,8 +103,10 @@ __device__ __forceinline__ uint32_t pack_e4m3x4(float a, float b, float c, float
   return lo | (hi << 16);
 }
 
-// Which token / head block / chunk of tiles this CTA works on. Computed after the register
-// reallocation in each role (values live across setmaxnreg would be spilled).
+// Which token / head block / chunk of tiles work item `item` is. A CTA runs the items blockIdx.x,
+// blockIdx.x + gridDim.x, ... (persistent: at most one CTA per SM, so the gather of an item's
+// first tiles overlaps the previous item's last tiles, epilogue and q prologue). Computed inside
+// each role (values live across setmaxnreg would be spilled).
 struct CtaWork {
   int64_t t;
   int hb;
@@ -112,13 +114,17 @@ struct CtaWork {
   int tile0;    // first tile of the chunk: keys [64 * tile0, 64 * (tile0 + n_tiles)) of the token
   int n_tiles;  // >= 1
 };
+template <bool kSplit>
+__device__ __forceinline__ int num_items(const DsaSparseMlaParams& p, const SplitPlan& plan, int head_blocks) {
+  return static_cast<int>(p.num_tokens) * head_blocks * (kSplit ? plan.n_splits : 1);
+}
 template <int kHeadBlocks, bool kSplit>
-__device__ __forceinline__ CtaWork cta_work(const DsaSparseMlaParams& p, const SplitPlan& plan) {
-  // blockIdx.x = (t * n_splits + split) * kHeadBlocks + hb: consecutive CTAs share a token and a
-  // chunk, so the second head block's gathers are L2 hits
+__device__ __forceinline__ CtaWork cta_work(const DsaSparseMlaParams& p, const SplitPlan& plan, int it) {
+  // it = (t * n_splits + split) * kHeadBlocks + hb: consecutive CTAs run the two head blocks of a
+  // token and chunk at the same time, so the second head block's gathers are L2 hits
   const int tiles = (p.topk + kTileKeys - 1) / kTileKeys;
-  const int hb = static_cast<int>(blockIdx.x % kHeadBlocks);
-  const int item = static_cast<int>(blockIdx.x / kHeadBlocks);
+  const int hb = it % kHeadBlocks;
+  const int item = it / kHeadBlocks;
   if constexpr (!kSplit) {
     return {static_cast<int64_t>(item), hb, 0, 0, tiles};
   } else {
@@ -134,33 +140,56 @@ __device__ __forceinline__ CtaWork cta_work(const DsaSparseMlaParams& p, const S
 // only read the landed K tile and write V^T.
 
 // Gather warps: tile j into K stage j % 3 once the consumers' QK^T and the transposer of tile j-3
-// released it. Each 8-lane quarter of a warp instruction copies one 128-byte column block of one
-// key: 128 contiguous global bytes (4 full sectors; the L2 sees no partial-sector requests) into
-// one 128-byte swizzled shared-memory row (all 32 banks). Warp w copies keys 32w..32w+31.
-__device__ __forceinline__ void gather_crew(Fp8Smem& sm, const uint8_t* pool, int n_tiles, int warp, int lane) {
+// released it (j counts the CTA's tiles over all its items). Lane l of warp w loads slot 32w + l
+// of the tile (before waiting for the stage, so the load overlaps the wait), checks it (-1,
+// padding past the chunk and slots >= num_slots are skipped) and the warp publishes its 32
+// validity bits in the stage's mask for the consumers. Each 8-lane quarter of a warp instruction
+// copies one 128-byte column block of one key: 128 contiguous global bytes (4 full sectors; the
+// L2 sees no partial-sector requests) into one 128-byte swizzled shared-memory row (all 32 banks).
+// Warp w copies keys 32w..32w+31.
+template <int kHeadBlocks, bool kSplit>
+__device__ __forceinline__ void gather_crew(Fp8Smem& sm, const DsaSparseMlaParams& p, const SplitPlan& plan, int warp,
+                                            int lane) {
+  const uint8_t* pool = static_cast<const uint8_t*>(p.pool);
   const int cw = lane & 7;  // 16-byte chunk within the 128-byte block
-  for (int j = 0; j < n_tiles; ++j) {
-    const int st = j % kKStages, round = j / kKStages;
-    if (round > 0) mbar_wait(&sm.empty_k[st], (round - 1) & 1);
-    const uint32_t tile = smem_u32(sm.k_tile[st]);
+  const int n_items = num_items<kSplit>(p, plan, kHeadBlocks);
+  int j = 0;
+  for (int it = blockIdx.x; it < n_items; it += gridDim.x) {
+    const CtaWork w = cta_work<kHeadBlocks, kSplit>(p, plan, it);
+    const int32_t* slots_row = p.slots + w.t * p.topk;
+    const int key_end = min(p.topk, (w.tile0 + w.n_tiles) * kTileKeys);  // the chunk: keys [64 tile0, key_end)
+    for (int jj = 0; jj < w.n_tiles; ++jj, ++j) {
+      const int key = (w.tile0 + jj) * kTileKeys + warp * 32 + lane;
+      int32_t slot = key < key_end ? __ldg(slots_row + key) : -1;
+      const int st = j % kKStages, round = j / kKStages;
+      if (round > 0) mbar_wait(&sm.empty_k[st], (round - 1) & 1);
+      const bool ok = slot >= 0 && static_cast<int64_t>(slot) < p.num_slots;
+      slot = ok ? slot : -1;
+      const uint32_t bits = __ballot_sync(0xffffffffu, ok);
+      if (lane == 0) sm.valid_k[st][warp] = bits;
+      const uint32_t tile = smem_u32(sm.k_tile[st]);
 #pragma unroll 2
-    for (int kq = 0; kq < 8; ++kq) {
-      const int key = warp * 32 + kq * 4 + (lane >> 3);
-      const int32_t slot = sm.slots[j * kTileKeys + key];
-      const uint8_t* src = pool + static_cast<int64_t>(slot < 0 ? 0 : slot) * kDim + cw * 16;
-      const uint32_t bytes = slot >= 0 ? 16u : 0u;  // -1: zero-fill, nothing read
-      const uint32_t dst = tile + key * kSwizzleRow + ((cw ^ (key & 7)) << 4);
+      for (int kq = 0; kq < 8; ++kq) {
+        const int kw = kq * 4 + (lane >> 3);  // key of the warp's 32
+        const int32_t sl = __shfl_sync(0xffffffffu, slot, kw);
+        const int key_t = warp * 32 + kw;     // key of the tile
+        const uint8_t* src = pool + static_cast<int64_t>(sl < 0 ? 0 : sl) * kDim + cw * 16;
+        const uint32_t bytes = sl >= 0 ? 16u : 0u;  // -1: zero-fill, nothing read
+        const uint32_t dst = tile + key_t * kSwizzleRow + ((cw ^ (key_t & 7)) << 4);
 #pragma unroll
-      for (int b = 0; b < kKBlocks; ++b) {
-        if (b * kSwizzleRow + cw * 16 < kDim)  // the last block holds 4 chunks
-          cp_async_16(dst + b * kKBlockBytes, src + b * kSwizzleRow, bytes);
+        for (int b = 0; b < kKBlocks; ++b) {
+          if (b * kSwizzleRow + cw * 16 < kDim)  // the last block holds 4 chunks
+            cp_async_16(dst + b * kKBlockBytes, src + b * kSwizzleRow, bytes);
+        }
       }
+      mbar_arrive_cp_async(&sm.full_k[st]);
+      if (lane == 0) mbar_arrive(&sm.full_k[st]);  // release: the mask is visible once the stage is full
     }
-    mbar_arrive_cp_async(&sm.full_k[st]);
   }
 }
 
-// Transpose warps: V^T[dim][key] of tile j from its K tile. Per 16 keys x 32 dims: one
+// Transpose warps: V^T[dim][key] of the CTA's tile j (of n_tiles over all its items) from its K
+// tile. Per 16 keys x 32 dims: one
 // ldmatrix.x4.trans (b16 = 2 dims), byte permutes that split even / odd dims, one stmatrix.x4
 // (4 V^T core matrices). Warp w does keys 32w..32w+31.
 __device__ __forceinline__ void transpose_crew(Fp8Smem& sm, int n_tiles, int warp, int lane) {
@@ -192,9 +221,14 @@ __device__ __forceinline__ void transpose_crew(Fp8Smem& sm, int n_tiles, int war
 }
 
 // ---------------------------------------------------------------- consumers (warpgroups 1, 2)
+// One work item `it` whose tiles are the CTA's tiles [j0, j0 + n_tiles) (K stage and phase of
+// tile j: (j0 + j) % 3 and ((j0 + j) / 3) & 1, V^T likewise with 2).
 template <int kRows, int kHeadBlocks, bool kSplit>
-__device__ __forceinline__ void consumer(Fp8Smem& sm, const DsaSparseMlaParams& p, const SplitPlan& plan, int64_t t,
-                                         int hb, int n_tiles, int c) {
+__device__ __forceinline__ void consumer(Fp8Smem& sm, const DsaSparseMlaParams& p, const SplitPlan& plan, int it,
+                                         int j0, int c) {
+  const CtaWork work = cta_work<kHeadBlocks, kSplit>(p, plan, it);
+  const int64_t t = work.t;
+  const int hb = work.hb, n_tiles = work.n_tiles;
   const int ctid = threadIdx.x - kWarpgroup * (1 + c);
   const int warp = ctid >> 5, lane = ctid & 31;
   const int g = lane >> 2, qd = lane & 3;
@@ -293,8 +327,8 @@ __device__ __forceinline__ void consumer(Fp8Smem& sm, const DsaSparseMlaParams& 
     for (int kk = 0; kk < 2; ++kk)
       wgmma_m64n256k32_e4m3_rs(o, pa[kk], make_smem_desc(base + kk * 2 * kCoreBytes, kCoreBytes, kVtGroupBytes), 1);
   };
-  auto tile_valid = [&](int jt) {  // the tile's 64 slot-validity bits
-    const uint2 w = *reinterpret_cast<const uint2*>(&sm.valid[2 * jt]);
+  auto stage_valid = [&](int st) {  // the 64 slot-validity bits of K stage st's tile (read before releasing it)
+    const uint2 w = *reinterpret_cast<const uint2*>(&sm.valid_k[st][0]);
     return (static_cast<uint64_t>(w.y) << 32) | w.x;
   };
   // Part 1 (runs while PV of the previous tile is still on the tensor cores): sum the two partial
@@ -302,7 +336,7 @@ __device__ __forceinline__ void consumer(Fp8Smem& sm, const DsaSparseMlaParams& 
   // exponentiates only its half of the keys (consumer c: keys [32c, 32c + 32), the A fragment
   // pa[c] of PV), packs them as e4m3 into `mine_p` and hands them to its partner through the
   // partner's exchange buffer, which it has finished reading. Returns the O rescale factors.
-  auto softmax_stats = [&](int jt, uint64_t vm, float (&alpha)[2], uint4& mine_p) {
+  auto softmax_stats = [&](uint64_t vm, float (&alpha)[2], uint4& mine_p) {
     float4* mine = &sm.xchg[c][0][0];
     float4* other = &sm.xchg[c ^ 1][0][0];
 #pragma unroll
@@ -369,19 +403,23 @@ __device__ __forceinline__ void consumer(Fp8Smem& sm, const DsaSparseMlaParams& 
   float alpha[2];
   uint4 mine_p;
   // ---- tile 0: QK^T
-  mbar_wait(&sm.full_k[0], 0);
-  fence_proxy_async();
-  wgmma_fence();
-  issue_qk(0);
-  wgmma_commit();
-  wgmma_wait<0>();
-  fence_regs(s_acc);
-  warp_arrive(&sm.empty_k[0]);
-  softmax_stats(0, tile_valid(0), alpha, mine_p);
-  softmax_apply(alpha, mine_p);
+  {
+    const int kst = j0 % kKStages;
+    mbar_wait(&sm.full_k[kst], (j0 / kKStages) & 1);
+    fence_proxy_async();
+    wgmma_fence();
+    issue_qk(kst);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_regs(s_acc);
+    const uint64_t vm = stage_valid(kst);
+    warp_arrive(&sm.empty_k[kst]);
+    softmax_stats(vm, alpha, mine_p);
+    softmax_apply(alpha, mine_p);
+  }
   // ---- steady state: QK^T(j+1) then PV(j) on the tensor cores; the softmax statistics of
   // tile j+1 overlap PV(j)
-  for (int j = 0; j + 1 < n_tiles; ++j) {
+  for (int j = j0; j + 1 < j0 + n_tiles; ++j) {
     const int kst1 = (j + 1) % kKStages, vst = j % kVStages;
     mbar_wait(&sm.full_k[kst1], ((j + 1) / kKStages) & 1);
     mbar_wait(&sm.full_v[vst], (j / kVStages) & 1);
@@ -393,15 +431,16 @@ __device__ __forceinline__ void consumer(Fp8Smem& sm, const DsaSparseMlaParams& 
     wgmma_commit();
     wgmma_wait<1>();  // QK^T(j+1) done
     fence_regs(s_acc);
+    const uint64_t vm = stage_valid(kst1);
     warp_arrive(&sm.empty_k[kst1]);
-    softmax_stats(j + 1, tile_valid(j + 1), alpha, mine_p);
+    softmax_stats(vm, alpha, mine_p);
     wgmma_wait<0>();  // PV(j) done
     fence_regs(o);
     warp_arrive(&sm.empty_v[vst]);
     softmax_apply(alpha, mine_p);
   }
   {  // ---- last PV
-    const int j = n_tiles - 1, vst = j % kVStages;
+    const int j = j0 + n_tiles - 1, vst = j % kVStages;
     mbar_wait(&sm.full_v[vst], (j / kVStages) & 1);
     fence_proxy_async();
     wgmma_fence();
@@ -409,6 +448,7 @@ __device__ __forceinline__ void consumer(Fp8Smem& sm, const DsaSparseMlaParams& 
     wgmma_commit();
     wgmma_wait<0>();
     fence_regs(o);
+    warp_arrive(&sm.empty_v[vst]);  // the next item's tiles reuse the stage
   }
 
   // ---- epilogue: out = O * kv_scale / l, lse = ln2 * (m - 8 + log2 l); bf16 out and lse, or
@@ -430,7 +470,7 @@ __device__ __forceinline__ void consumer(Fp8Smem& sm, const DsaSparseMlaParams& 
     const float scale = empty ? 0.f : p.kv_scale / l;
     const float lse = empty ? -INFINITY : (m_run[rh] - kPOffset + log2f(l)) * kLn2;
     // re-derived here rather than kept live through the main loop (the consumer is at its register cap)
-    const CtaWork w = cta_work<kHeadBlocks, kSplit>(p, plan);
+    const CtaWork w = cta_work<kHeadBlocks, kSplit>(p, plan, it);
     const int64_t row = w.t * p.num_heads + static_cast<int64_t>(w.hb) * kHeadsPerCta + row0 + 8 * rh;
     if constexpr (kSplit) {
       const int64_t part_row = w.split * (p.num_tokens * p.num_heads) + row;
@@ -470,7 +510,7 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_fp8_kernel(const DsaSp
   if (threadIdx.x == 0) {
 #pragma unroll
     for (int s = 0; s < kKStages; ++s) {
-      mbar_init(&sm.full_k[s], kGatherWarps * 32);          // one cp.async arrival per gather thread
+      mbar_init(&sm.full_k[s], kGatherWarps * 33);          // one cp.async arrival per gather thread + its warp's mask
       mbar_init(&sm.empty_k[s], 8 + kTransposeWarps);      // 8 consumer warps + the transpose warps
     }
 #pragma unroll
@@ -481,43 +521,26 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_fp8_kernel(const DsaSp
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   dsa_pdl_wait();
-  {  // the chunk's slots (sm.slots[i] = key tile0 * 64 + i of the token), padded with -1 to whole
-     // tiles; out-of-range slots are skipped too
-    const CtaWork w = cta_work<kHeadBlocks, kSplit>(p, plan);
-    const int key0 = w.tile0 * kTileKeys;
-    const int n_keys = kSplit ? min(p.topk - key0, w.n_tiles * kTileKeys) : p.topk;
-    const int32_t* slots_row = p.slots + w.t * p.topk + key0;
-    constexpr int kPerThread = kMaxTopk / kThreads + 1;
-    int32_t v[kPerThread];
-#pragma unroll
-    for (int r = 0; r < kPerThread; ++r) {  // all loads first: one memory latency, not kPerThread
-      const int i = threadIdx.x + r * kThreads;
-      v[r] = i < n_keys ? __ldg(slots_row + i) : -1;
-    }
-#pragma unroll
-    for (int r = 0; r < kPerThread; ++r) {
-      const int i = threadIdx.x + r * kThreads;  // a warp holds 32 consecutive keys (kThreads % 32 == 0)
-      const bool ok = v[r] >= 0 && static_cast<int64_t>(v[r]) < p.num_slots;
-      const uint32_t bits = __ballot_sync(0xffffffffu, ok);
-      if (i < w.n_tiles * kTileKeys) {
-        sm.slots[i] = ok ? v[r] : -1;
-        if ((threadIdx.x & 31) == 0) sm.valid[i >> 5] = bits;
-      }
-    }
-  }
-  __syncthreads();
+  __syncthreads();  // barriers initialised
+  const int n_items = num_items<kSplit>(p, plan, kHeadBlocks);
   if (threadIdx.x < kWarpgroup) {
     setmaxnreg_dec<kProducerRegs>();
-    const CtaWork w = cta_work<kHeadBlocks, kSplit>(p, plan);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    if (warp < kGatherWarps)
-      gather_crew(sm, static_cast<const uint8_t*>(p.pool), w.n_tiles, warp, lane);
-    else
-      transpose_crew(sm, w.n_tiles, warp - kGatherWarps, lane);
+    if (warp < kGatherWarps) {
+      gather_crew<kHeadBlocks, kSplit>(sm, p, plan, warp, lane);
+    } else {
+      int n_tiles = 0;
+      for (int it = blockIdx.x; it < n_items; it += gridDim.x) n_tiles += cta_work<kHeadBlocks, kSplit>(p, plan, it).n_tiles;
+      transpose_crew(sm, n_tiles, warp - kGatherWarps, lane);
+    }
   } else {
     setmaxnreg_inc<kConsumerRegs>();
-    const CtaWork w = cta_work<kHeadBlocks, kSplit>(p, plan);
-    consumer<kRows, kHeadBlocks, kSplit>(sm, p, plan, w.t, w.hb, w.n_tiles, threadIdx.x / kWarpgroup - 1);
+    const int c = threadIdx.x / kWarpgroup - 1;
+    int j0 = 0;
+    for (int it = blockIdx.x; it < n_items; it += gridDim.x) {
+      consumer<kRows, kHeadBlocks, kSplit>(sm, p, plan, it, j0, c);
+      j0 += cta_work<kHeadBlocks, kSplit>(p, plan, it).n_tiles;
+    }
   }
 }
 
@@ -544,14 +567,19 @@ int ensure_smem_attribute() {
   return DSA_OK;
 }
 
-// One CTA per (token, head block[, chunk]): blocks = num_tokens * kHeadBlocks * n_splits.
+// Work items: one per (token, head block[, chunk]), items = num_tokens * kHeadBlocks * n_splits;
+// one persistent CTA per SM (at most) runs every gridDim.x-th item.
 template <int kRows, int kHeadBlocks, bool kSplit>
 int launch_kernel(const DsaSparseMlaParams& p, const SplitPlan& plan, cudaStream_t stream) {
-  const int status = ensure_smem_attribute<kRows, kHeadBlocks, kSplit>();
+  int status = ensure_smem_attribute<kRows, kHeadBlocks, kSplit>();
   if (status != DSA_OK) return status;
-  const int64_t blocks = p.num_tokens * kHeadBlocks * (kSplit ? plan.n_splits : 1);
-  DSA_CHECK_ARG(blocks <= INT32_MAX, "sparse_mla: num_tokens=%lld gives %lld blocks (> 2^31 - 1)",
-                static_cast<long long>(p.num_tokens), static_cast<long long>(blocks));
+  int sms = 0;
+  if ((status = current_sm_count(&sms)) != DSA_OK) return status;
+  const int64_t items = p.num_tokens * kHeadBlocks * (kSplit ? plan.n_splits : 1);
+  DSA_CHECK_ARG(items <= INT32_MAX - static_cast<int64_t>(sms),
+                "sparse_mla: num_tokens=%lld gives %lld work items (> 2^31 - 1 - SMs)",
+                static_cast<long long>(p.num_tokens), static_cast<long long>(items));
+  const int64_t blocks = std::min<int64_t>(items, sms);
   DSA_CUDA_CHECK(dsa_launch_pdl(sparse_mla_fp8_kernel<kRows, kHeadBlocks, kSplit>, dim3(static_cast<unsigned>(blocks)),
                                 dim3(kThreads), kSmemBytes, stream, p, plan));
   return DSA_OK;
