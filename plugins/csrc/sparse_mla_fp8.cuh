@@ -1,10 +1,12 @@
 // DSA-TRT sparse MLA over the 576-byte fp8 pool: the warp-specialised fp8 wgmma kernel (sm_90a).
 //
-// One CTA = one query token x one block of 64 heads (wgmma M = 64; H = 16 / 32 pad the block
-// with zero rows that are never stored) x one chunk of the token's tiles (kSplit: split-KV for
-// small T, the fp32 partial out + lse go to the workspace and sparse_mla_fp8_split.cu combines
-// them; otherwise the one chunk is the whole list). All heads share each gathered latent row
-// (MQA), so a CTA streams its chunk of the k selected rows in tiles of 64 and runs, per tile:
+// One work item = one query token x one block of 64 heads (wgmma M = 64; H = 16 / 32 pad the
+// block with zero rows that are never stored) x one chunk of the token's tiles (kSplit: split-KV
+// for small T, the fp32 partial out + lse go to the workspace and sparse_mla_fp8_split.cu
+// combines them; otherwise the one chunk is the whole list). A persistent CTA per SM runs every
+// gridDim.x-th item, its pipeline running on from one item into the next. All heads share each
+// gathered latent row (MQA), so an item streams its chunk of the k selected rows in tiles of 64
+// and runs, per tile:
 //
 //   S[64 h, 64 keys] = q8 . k8^T over 576 dims   fp8 x fp8 wgmma, fp32 accumulate
 //   online softmax (log2 domain, per-head scale folded in)
@@ -19,9 +21,9 @@
 // split-KV chunk, with its own max, rounds its P differently from the unsplit run: split and
 // unsplit agree to fp8 noise, not bitwise (docs/sparse_mla_notes.md, "Running max").
 //
-// Warp roles (384 threads, one CTA per SM, ~225 KB shared memory):
-//   WG0 producer  warps 0-1 gather each tile's 64 rows with 16-byte cp.async (zero-fill for -1
-//                 slots) into the 128B-swizzled K tile; warps 2-3 transpose its first 512 columns
+// Warp roles (384 threads, one CTA per SM, ~217 KB shared memory):
+//   WG0 producer  warps 0-1 load each tile's 64 slots and gather its rows with 16-byte cp.async
+//                 (zero-fill for -1 slots) into the 128B-swizzled K tile; warps 2-3 transpose its first 512 columns
 //                 into V^T with ldmatrix.trans + prmt + stmatrix (fp8 wgmma wants K-major B, i.e.
 //                 keys contiguous per output dim). 40 registers.
 //   WG1, WG2      consumers. O[64 x 512] fp32 needs 256 registers per thread for one warpgroup,
