@@ -242,6 +242,11 @@ def make_topk_inputs(rows, width, lengths, kind, seed, batch=3, stride_pad=0, co
         logits.masked_fill_(ninf, float("-inf"))
     elif kind == "constant":
         logits.fill_(1.5)
+    elif kind == "narrow":  # crowded like indexer scores: the first digit's threshold bin holds most of the row
+        logits.mul_(2.0).add_(100.0)
+    elif kind == "narrower":  # only the low 10 bits vary: the first two digits are shared by every key
+        bits = torch.randint(0, 1024, (rows, width), generator=g, device=DEV, dtype=torch.int32) + 0x3F800000
+        logits.copy_(bits.view(torch.float32))
     if isinstance(lengths, str):  # "rand": in [k+1, width]
         lengths = torch.randint(2049, width + 1, (rows,), generator=g, device=DEV)
     lengths = torch.as_tensor(lengths, device=DEV).to(torch.int32)
@@ -267,6 +272,12 @@ TOPK_CASES = [
     ("k7_ties", 3, 3000, [3000, 3000, 7], "levels", 7, {}),
     ("rows128_32k", 128, 32768, [32768] * 128, "randn", 2048, {}),
     ("dups_8x128k", 8, 131072, [131072, 131071, 100003, 65536, 4096, 2049, 131072, 77777], "dups", 2048, {}),
+    # the pass-0 threshold bin over the candidate cap: pass 1 marks, only the marked keys are re-read
+    ("narrow_128x128k", 128, 131072, "rand", "narrow", 2048, {}),
+    ("narrow_cached_4x32k", 4, 32768, [32768, 30000, 2049, 17], "narrow", 2048, {}),
+    ("narrow_k1", 2, 131072, [131072, 5000], "narrow", 1, {}),
+    # ... and still over the cap after pass 1: the marks are dropped, pass 2 and the full sweep
+    ("narrower_3x128k", 3, 131072, [131072, 100000, 65536], "narrower", 2048, {}),
 ]
 
 
@@ -299,7 +310,8 @@ for name, rows, width, kind in {cases!r}:
 torch.save(out, sys.argv[1])
 """
 CLUSTER_SHAPE_CASES = [("randn_4x128k", 4, 131072, "randn"), ("zeros99_2x64k", 2, 65536, "zeros99"),
-                       ("levels_2x64k", 2, 65536, "levels"), ("dups_3x100k", 3, 100000, "dups")]
+                       ("levels_2x64k", 2, 65536, "levels"), ("dups_3x100k", 3, 100000, "dups"),
+                       ("narrow_3x128k", 3, 131072, "narrow"), ("narrower_2x64k", 2, 65536, "narrower")]
 
 
 def test_topk_output_independent_of_cluster_shape(K, tmp_path):

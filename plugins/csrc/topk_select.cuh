@@ -490,10 +490,13 @@ __device__ __forceinline__ void cluster_select_emit(cg::cluster_group& cluster, 
         const uint32_t kk[4] = {q[b].x, q[b].y, q[b].z, q[b].w};
         uint32_t gm = 0, em = 0;  // keys above the bin / in it
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          gm |= (uint32_t)(kk[e] > top) << e;
-          em |= (uint32_t)(kk[e] >= lo) << e;
-        }
+        for (int e = 0; e < 4; ++e) gm |= (uint32_t)(kk[e] > top) << e;
+        // gm is packed before the >= compares are issued: with both in one loop, ptxas -O3 (CUDA
+        // 13.0) was seen to pack three >= predicates into gm after an unrelated edit of this
+        // function (a key in the bin then counted as above it; the top-k tests caught it).
+        asm volatile("" : "+r"(gm));
+#pragma unroll
+        for (int e = 0; e < 4; ++e) em |= (uint32_t)(kk[e] >= lo) << e;
         gm &= valid;
         em &= valid & ~gm;
         if (mode == kTakeAll) {
