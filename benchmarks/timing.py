@@ -1,8 +1,10 @@
-"""Kernel timing shared by the benchmarks: CUDA events, warm-up, median (STYLE.md, METHOD.md)."""
+"""Kernel timing shared by the benchmarks: CUDA graph replays after an L2 flush, timed by CUDA events
+and by the CUDA profiler (the peers' method), median of the iterations (STYLE.md, METHOD.md)."""
 
 from __future__ import annotations
 
 import statistics
+import warnings
 
 import torch
 
@@ -50,6 +52,7 @@ def _kernels_us(run, flush_buf, iters: int) -> float | None:
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
+    warnings.filterwarnings("ignore", message=".*Profiler clears events.*")  # one profile per call here
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(iters):
             flush_l2(flush_buf)
@@ -69,16 +72,11 @@ def _kernels_us(run, flush_buf, iters: int) -> float | None:
     return statistics.median(spans) if len(spans) >= max(1, iters // 2) else None
 
 
-def time_us(fn, flush_buf, iters: int) -> float:
-    """Median µs of one call, replayed from a CUDA graph with the L2 flushed before each replay
-    (the GPU is still busy with the flush when the replay is queued, so launch overhead is not in
-    the timed region), bracketed by CUDA events."""
-    return _events_us(_capture(fn), flush_buf, iters)
-
-
 def time_both_us(fn, flush_buf, iters: int) -> tuple[float, float | None]:
-    """(events µs as time_us, kernel span µs from the profiler) of the same CUDA graph. The events
-    add ~2 µs (the replay's launch and the end event); the profiler span is the peers' measure.
+    """(events µs, kernel span µs from the profiler) of one CUDA graph of fn, the L2 flushed before
+    every replay (the GPU is still busy with the flush when the replay is queued, so the launch is
+    not in the timed region). Events bracket the replay: they add ~2 µs (the replay's launch and
+    the end event) to a short call; the profiler span is the peers' measure.
     Falls back to profiling eager calls if the profiler reports no kernels inside graph replays."""
     graph = _capture(fn)
     events = _events_us(graph, flush_buf, iters)
