@@ -23,9 +23,9 @@
 //
 // Warp roles (384 threads, one CTA per SM, ~217 KB shared memory):
 //   WG0 producer  warps 0-1 load each tile's 64 slots and gather its rows with 16-byte cp.async
-//                 (zero-fill for -1 slots) into the 128B-swizzled K tile; warps 2-3 transpose its first 512 columns
-//                 into V^T with ldmatrix.trans + prmt + stmatrix (fp8 wgmma wants K-major B, i.e.
-//                 keys contiguous per output dim). 40 registers.
+//                 (zero-fill for -1 slots) into the 128B-swizzled K tile; warps 2-3 transpose its
+//                 first 512 columns into V^T with ldmatrix.trans + prmt + stmatrix (fp8 wgmma
+//                 wants K-major B, i.e. keys contiguous per output dim). 40 registers.
 //   WG1, WG2      consumers. O[64 x 512] fp32 needs 256 registers per thread for one warpgroup,
 //                 so consumer c owns output dims [256c, 256c + 256) (128 accumulator registers)
 //                 and computes the partial S over q/k dims [288c, 288c + 288); the two partial S
@@ -59,7 +59,6 @@ constexpr int kTileKeys = 64;
 constexpr int kDim = DSA_MLA_DIM;      // 576
 constexpr int kVDim = DSA_MLA_V_DIM;   // 512
 constexpr int kHeadsPerCta = 64;       // wgmma M
-constexpr int kMaxTopk = 2048;
 constexpr int kKStages = 3;  // gathered K tiles in flight (the gather latency is the exposed one)
 constexpr int kVStages = 2;
 constexpr int kWarpgroup = 128;
@@ -532,7 +531,8 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_fp8_kernel(const DsaSp
       gather_crew<kHeadBlocks, kSplit>(sm, p, plan, warp, lane);
     } else {
       int n_tiles = 0;
-      for (int it = blockIdx.x; it < n_items; it += gridDim.x) n_tiles += cta_work<kHeadBlocks, kSplit>(p, plan, it).n_tiles;
+      for (int it = blockIdx.x; it < n_items; it += gridDim.x)
+        n_tiles += cta_work<kHeadBlocks, kSplit>(p, plan, it).n_tiles;
       transpose_crew(sm, n_tiles, warp - kGatherWarps, lane);
     }
   } else {
