@@ -1,8 +1,9 @@
 """Benchmark: paged fp8 indexer logits and fused top-k + page translation (our CUDA kernels).
 
 Method (as research/h200_peer_anchors.md): random inputs; before every timed call an L2 flush
-(bitwise_not_ over 256 MB); the call is captured once in a CUDA graph and CUDA events bracket one
-replay (no host overhead); 3 warm-ups; median of `--iters`.
+(bitwise_not_ over 256 MB); the call is captured once in a CUDA graph; 3 warm-ups; median of
+`--iters`. "µs" is the profiler's span of one replay (first kernel start to last kernel end, the
+peers' measure); "events µs" brackets the same replay with CUDA events (timing.time_both_us).
 Ceilings measured on this H200 kind: copy 4.3 TB/s, fp8 matmul 1377 TFLOP/s. "% roof" = the
 larger of (bytes / 4.3 TB/s, FLOPs / 1377 TFLOP/s) over the measured time. Each case counts
 FLOPs and bytes like the peer it is compared with (perf_anchors.md §2):

@@ -1,8 +1,9 @@
 """Benchmark: sparse MLA over the 576-byte fp8 pool (plugins/csrc/sparse_mla_fp8.cuh).
 
 Method (as research/h200_peer_anchors.md): random inputs (never zeros); before every timed call
-an L2 flush (bitwise_not_ over 256 MB); the launch is captured once in a CUDA graph and CUDA
-events bracket one replay; 3 warm-ups; median of `--iters`.
+an L2 flush (bitwise_not_ over 256 MB); the launch is captured once in a CUDA graph; 3 warm-ups;
+median of `--iters`. "µs" is the profiler's span of one replay (the FlashMLA anchors' measure);
+"events µs" brackets the same replay with CUDA events (timing.time_both_us).
 
 Counting, per case, as FlashMLA counts (research/perf_anchors.md §2), with our 576-byte rows
 where FlashMLA's layout has 656 (decode) or 1152 bf16 bytes (prefill):
