@@ -136,7 +136,8 @@ def run_kernel(K, case, fmt: str, num_splits: int | None = None):
 
 
 def poisoned_workspace(K, tokens: int, heads: int, topk: int, fmt: int = 0) -> torch.Tensor | None:
-    """dsa_sparse_mla_workspace_size() bytes as a NaN-filled fp32 tensor (None when 0 bytes)."""
+    """dsa_sparse_mla_workspace_size() bytes as a NaN-filled fp32 tensor (None when 0 bytes); a word
+    the kernel writes (fp32 lse, or two fp16 partials) is never NaN unless its values are."""
     nbytes = K.library().sparse_mla_workspace_size(tokens, heads, topk, fmt)
     assert nbytes % 4 == 0, f"workspace size {nbytes} is not whole fp32 elements"
     return torch.full((nbytes // 4,), float("nan"), dtype=torch.float32, device=DEV) if nbytes else None
@@ -379,8 +380,8 @@ def test_fp8_split(K, tokens, heads, topk, num_pages, extra, forced):
     (2, 64, 1024, 3, {"empty_tokens": (1,)}),        # 3 chunks of 6, 6, 4 tiles; token 1 all -1
 ])
 def test_fp8_split_partials(K, tokens, heads, topk, num_splits, extra):
-    """White-box (workspace layout of sparse_mla.cuh SplitPlan: part_out [n, T, H, 512] fp32, then
-    part_lse [n, T, H]): every chunk's partial against the fp8 replay of that chunk's keys alone,
+    """White-box (workspace layout of sparse_mla.cuh SplitPlan: part_out [n, T, H, 512] fp16 in the
+    pool's fp8 units (times kv_scale = the chunk's out), then part_lse [n, T, H] fp32): every chunk's partial against the fp8 replay of that chunk's keys alone,
     then the kernel's out / lse against a float64 combine of those partials, so a failure names
     the chunk kernel or the combine."""
     params = f"partials T={tokens} H={heads} k={topk} num_splits={num_splits} {extra}"
@@ -393,16 +394,18 @@ def test_fp8_split_partials(K, tokens, heads, topk, num_splits, extra):
     torch.cuda.synchronize()
     assert status == 0, msg
     rows = tokens * heads
-    assert ws.numel() >= n * rows * (R.MLA_V_DIM + 1), f"[{params}] workspace of {ws.numel()} floats < {n} chunks"
-    part_out = ws[:n * rows * R.MLA_V_DIM].view(n, tokens, heads, R.MLA_V_DIM)
-    part_lse = ws[n * rows * R.MLA_V_DIM:n * rows * (R.MLA_V_DIM + 1)].view(n, tokens, heads)
+    out_bytes, lse_bytes = n * rows * R.MLA_V_DIM * 2, n * rows * 4
+    assert ws.numel() * 4 >= out_bytes + lse_bytes, f"[{params}] workspace of {ws.numel() * 4} bytes < {n} chunks"
+    raw = ws.view(torch.uint8)
+    part_out = raw[:out_bytes].view(torch.float16).view(n, tokens, heads, R.MLA_V_DIM).float() * case["kv_scale"]
+    part_lse = raw[out_bytes:out_bytes + lse_bytes].view(torch.float32).view(n, tokens, heads)
     for c in range(n):
         holes = torch.isnan(part_lse[c]).nonzero().tolist() + torch.isnan(part_out[c]).any(-1).nonzero().tolist()
         assert not holes, f"[{params}] chunk {c}: (token, head) {holes[:4]} never written ({len(holes)} holes)"
     for c, (k0, k1) in enumerate(chunk_keys(topk, n)):
         e_out, e_lse = R.sparse_mla_fp8_emulated(case["q"], case["pool8"], case["slots"][:, k0:k1].contiguous(),
                                                  case["kv_scale"], SM_SCALE)
-        # tier-1 tolerances of check_fp8 (score std 1.5; the partial is fp32, no bf16 rounding); the
+        # tier-1 tolerances of check_fp8 (score std 1.5; the partial is fp16, 2^-11 rounding); the
         # model's partials case is part of fp8_emulated_tols' basis
         rel_fro, row_rel = fp8_emulated_tols(1.5)
         check_close(f"chunk {c} (keys {k0}..{k1}) partial out", part_out[c], e_out, rel_fro=rel_fro, row_rel=row_rel,
@@ -432,13 +435,14 @@ def test_fp8_split_auto_takes_workspace(K):
     status, msg = _raw_launch(K, case, out, lse, num_splits=0, workspace=ws)
     torch.cuda.synchronize()
     assert status == 0, msg
-    written = int((~torch.isnan(ws)).sum())
-    assert written >= 2 * 128 * (R.MLA_V_DIM + 1), (
-        f"auto mode wrote {written} workspace floats at T=1 H=128 k=2048: it did not split")
+    written = int((~torch.isnan(ws)).sum())  # 4-byte words: per (chunk, head) 256 of fp16 out + 1 of lse
+    words = R.MLA_V_DIM // 2 + 1
+    assert written >= 2 * 128 * words, (
+        f"auto mode wrote {written} workspace words at T=1 H=128 k=2048: it did not split")
     # the tests' replay of split runs (launch_chunks) must cut the list as the launcher does
     n = len(launch_chunks(case, 0))
-    assert written == n * 128 * (R.MLA_V_DIM + 1), (
-        f"auto mode wrote {written} workspace floats, launch_chunks predicts {n} chunks of 128 x 513")
+    assert written == n * 128 * words, (
+        f"auto mode wrote {written} workspace words, launch_chunks predicts {n} chunks of 128 x {words}")
     b_out, b_lse = run_kernel(K, case, "fp8", num_splits=0)
     assert torch.equal(out.view(torch.int16), b_out.view(torch.int16)), "raw launch and binding differ (out)"
     assert torch.equal(lse.view(torch.int32), b_lse.view(torch.int32)), "raw launch and binding differ (lse)"

@@ -18,10 +18,11 @@
 
 namespace {
 
-constexpr int kMaxTopk = 2048;
+using dsa_sparse_mla::kMaxTopk;
 constexpr int kTileKeys = 64;      // the fp8 kernel's key tile: chunks are whole tiles
+static_assert(dsa_sparse_mla::kMaxSplits * kTileKeys >= kMaxTopk, "a split launch has at most kMaxSplits chunks");
 constexpr int kHeadsPerCta = 64;   // the fp8 kernel's head block (wgmma M)
-constexpr int kPartFloatsPerRow = DSA_MLA_V_DIM + 1;  // workspace per (chunk, token, head): out + lse
+constexpr size_t kPartBytesPerRow = DSA_MLA_V_DIM * sizeof(__half) + sizeof(float);  // per (chunk, token, head): out + lse
 // Split grids stay within one wave of the largest sm_90 part (H100 SXM / H200: 132 SMs, one CTA
 // each): the kernel's per-CTA fixed cost (~15 us: slots, q, pipeline fill) makes a second wave
 // cost more than the shorter chunks save. A constant, not the device's count, so that the
@@ -51,7 +52,7 @@ int max_splits(int64_t num_tokens, int num_heads, int topk, int64_t ctas_budget)
 size_t split_bytes(int64_t num_tokens, int num_heads, int n_splits) {
   if (n_splits <= 1) return 0;
   return static_cast<size_t>(n_splits) * static_cast<size_t>(num_tokens) * static_cast<size_t>(num_heads) *
-         kPartFloatsPerRow * sizeof(float);
+         kPartBytesPerRow;
 }
 
 bool fp8_shape_supported(int num_heads, int topk) {
@@ -148,9 +149,9 @@ extern "C" int dsa_launch_sparse_mla(const DsaSparseMlaParams* p, cudaStream_t s
   // The kernel writes fp32 partials as 16-byte vectors.
   DSA_CHECK_ARG(aligned(p->workspace, 16), "sparse_mla: workspace=%p must be 16-byte aligned", p->workspace);
   const int tiles = tiles_of(p->topk);
-  float* part_out = static_cast<float*>(p->workspace);
+  __half* part_out = static_cast<__half*>(p->workspace);
   const int64_t part_rows = static_cast<int64_t>(n_splits) * p->num_tokens * p->num_heads;
   const dsa_sparse_mla::SplitPlan plan{n_splits, (tiles + n_splits - 1) / n_splits, part_out,
-                                       part_out + part_rows * DSA_MLA_V_DIM};
+                                       reinterpret_cast<float*>(part_out + part_rows * DSA_MLA_V_DIM)};
   return dsa_sparse_mla::launch_fp8_split(*p, plan, stream);
 }

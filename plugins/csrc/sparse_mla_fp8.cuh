@@ -42,6 +42,7 @@
 #pragma once
 
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_fp8.h>
 #include <math.h>
 
@@ -468,18 +469,23 @@ __device__ __forceinline__ void consumer(Fp8Smem& sm, const DsaSparseMlaParams& 
     l += __shfl_xor_sync(0xffffffffu, l, 2);
     if (!row_ok[rh]) continue;
     const bool empty = l == 0.f;  // no valid slot (a valid key contributes 2^8)
-    const float scale = empty ? 0.f : p.kv_scale / l;
+    const float scale = empty ? 0.f : (kSplit ? 1.f : p.kv_scale) / l;  // kSplit: fp8 units (the combine scales)
     const float lse = empty ? -INFINITY : (m_run[rh] - kPOffset + log2f(l)) * kLn2;
     // re-derived here rather than kept live through the main loop (the consumer is at its register cap)
     const CtaWork w = cta_work<kHeadBlocks, kSplit>(p, plan, it);
     const int64_t row = w.t * p.num_heads + static_cast<int64_t>(w.hb) * kHeadsPerCta + row0 + 8 * rh;
     if constexpr (kSplit) {
       const int64_t part_row = w.split * (p.num_tokens * p.num_heads) + row;
-      float* orow = plan.part_out + part_row * kVDim + c * kVHalf + 4 * qd;
+      __half* orow = plan.part_out + part_row * kVDim + c * kVHalf + 4 * qd;
 #pragma unroll
       for (int jj = 0; jj < kVHalf / 16; ++jj) {
         const float* a = o + 8 * jj + 2 * rh;  // dims 4qd..4qd+3 of 16jj.. are a[0], a[4], a[1], a[5] (below)
-        *reinterpret_cast<float4*>(orow + 16 * jj) = make_float4(a[0] * scale, a[4] * scale, a[1] * scale, a[5] * scale);
+        const __half2 lo = __floats2half2_rn(a[0] * scale, a[4] * scale);
+        const __half2 hi = __floats2half2_rn(a[1] * scale, a[5] * scale);
+        uint2 packed;
+        packed.x = *reinterpret_cast<const uint32_t*>(&lo);
+        packed.y = *reinterpret_cast<const uint32_t*>(&hi);
+        *reinterpret_cast<uint2*>(orow + 16 * jj) = packed;
       }
       if (c == 0 && qd == 0) plan.part_lse[part_row] = lse;
     } else {

@@ -3,8 +3,8 @@
 // One token's 64 heads are a single CTA, so at decode (T = 1..8) the unsplit kernel keeps a
 // handful of the 132 SMs busy for the whole top-k list. Here the list is cut into chunks of whole
 // 64-key tiles (sparse_mla.cu picks the count): the wgmma kernel (sparse_mla_fp8.cuh, kSplit)
-// runs one CTA per (token, head block, chunk) and writes the chunk's normalised fp32 out and lse
-// to the workspace; the combine kernel below merges the chunks into bf16 out and lse.
+// runs one CTA per (token, head block, chunk) and writes the chunk's normalised out (fp16, fp8
+// units) and lse to the workspace; the combine kernel below merges the chunks into bf16 out and lse.
 //
 // Numerics: each chunk runs the unsplit kernel's online softmax over its own keys, with its own
 // (exact, unrounded) running max, so its P = 2^(z - m_chunk + 8) rounds to e4m3 differently from
@@ -23,37 +23,52 @@ namespace {
 
 constexpr int kCombineThreads = kVDim / 4;  // 128: one (token, head) row per CTA, 4 dims per thread
 
-// out[row] = sum_s w_s * part_out[s][row] / sum_s w_s with w_s = exp(lse_s - max_s lse_s), and
-// lse[row] = max + log(sum_s w_s). A chunk without a valid slot (lse -inf, part_out 0) weighs 0;
-// when every chunk is -inf the row is empty: out 0, lse -inf. A NaN chunk lse (a NaN score or
+// out[row] = kv_scale * sum_s w_s * part_out[s][row] / sum_s w_s with w_s = exp(lse_s - max_s lse_s),
+// and lse[row] = max + log(sum_s w_s). A chunk without a valid slot (lse -inf, part_out 0) weighs
+// 0; when every chunk is -inf the row is empty: out 0, lse -inf. A NaN chunk lse (a NaN score or
 // latent in that chunk) makes the row NaN, as in the unsplit kernel.
+// Latency bound at small T (b = 1: 128 rows x 32 chunks, 4 MB of partials in L2): lane s of every
+// warp loads chunk s's lse, and each thread issues all its chunks' partial loads before it uses
+// any, so a row costs two memory latencies. H200, b = 1: the combine ends ~2.6 us after the split
+// kernel (grid drain and launch included); 5.8 with the loop of dependent loads it replaced (four
+// in flight per thread) and fp32 partials.
 __global__ void __launch_bounds__(kCombineThreads)
     sparse_mla_combine_kernel(const DsaSparseMlaParams p, const SplitPlan plan) {
+  static_assert(kMaxSplits <= 32, "one chunk per lane");
   dsa_pdl_wait();
   const int64_t rows = p.num_tokens * p.num_heads;
   const int64_t row = blockIdx.x;
-  const float* lse_part = plan.part_lse + row;  // chunk s: lse_part[s * rows]
-  float m = -INFINITY;
-  for (int s = 0; s < plan.n_splits; ++s) m = fmaxf(m, lse_part[s * rows]);  // fmaxf skips NaN
-  const float4* part = reinterpret_cast<const float4*>(plan.part_out + row * kVDim) + threadIdx.x;
-  const int64_t part_stride = rows * (kVDim / 4);  // float4 between chunks
-  float w_sum = 0.f;
-  float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll 4
-  for (int s = 0; s < plan.n_splits; ++s) {
-    const float x = lse_part[s * rows];
-    const float w = x == -INFINITY ? 0.f : expf(x - m);  // NaN x -> NaN w, also when m is -inf
-    const float4 v = part[s * part_stride];
-    w_sum += w;
-    acc.x = fmaf(w, v.x, acc.x);
-    acc.y = fmaf(w, v.y, acc.y);
-    acc.z = fmaf(w, v.z, acc.z);
-    acc.w = fmaf(w, v.w, acc.w);
+  const int n = plan.n_splits, lane = threadIdx.x & 31;
+  const float x = lane < n ? plan.part_lse[lane * rows + row] : -INFINITY;  // chunk `lane`
+  const uint2* part = reinterpret_cast<const uint2*>(plan.part_out + row * kVDim) + threadIdx.x;  // 4 x fp16
+  const int64_t part_stride = rows * (kVDim / 4);  // uint2 between chunks
+  uint2 v[kMaxSplits];
+#pragma unroll
+  for (int s = 0; s < kMaxSplits; ++s)
+    if (s < n) v[s] = part[s * part_stride];
+  float m = x;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));  // fmaxf skips NaN
+  const float w = x == -INFINITY ? 0.f : expf(x - m);  // NaN x -> NaN w, also when m is -inf
+  float w_sum = w;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) w_sum += __shfl_xor_sync(0xffffffffu, w_sum, o);
+  float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+  for (int s = 0; s < kMaxSplits; ++s) {
+    if (s >= n) break;
+    const float ws = __shfl_sync(0xffffffffu, w, s);
+    const float2 lo = __half22float2(*reinterpret_cast<const __half2*>(&v[s].x));
+    const float2 hi = __half22float2(*reinterpret_cast<const __half2*>(&v[s].y));
+    acc[0] = fmaf(ws, lo.x, acc[0]);
+    acc[1] = fmaf(ws, lo.y, acc[1]);
+    acc[2] = fmaf(ws, hi.x, acc[2]);
+    acc[3] = fmaf(ws, hi.y, acc[3]);
   }
   const bool empty = w_sum == 0.f;  // otherwise >= 1: the max chunk weighs exp(0)
-  const float inv = empty ? 0.f : 1.f / w_sum;
-  const __nv_bfloat162 lo = __floats2bfloat162_rn(acc.x * inv, acc.y * inv);
-  const __nv_bfloat162 hi = __floats2bfloat162_rn(acc.z * inv, acc.w * inv);
+  const float scale = empty ? 0.f : p.kv_scale / w_sum;
+  const __nv_bfloat162 lo = __floats2bfloat162_rn(acc[0] * scale, acc[1] * scale);
+  const __nv_bfloat162 hi = __floats2bfloat162_rn(acc[2] * scale, acc[3] * scale);
   uint2 packed;
   packed.x = *reinterpret_cast<const uint32_t*>(&lo);
   packed.y = *reinterpret_cast<const uint32_t*>(&hi);
