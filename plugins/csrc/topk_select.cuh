@@ -155,6 +155,7 @@ struct RunHist {
 template <int kThreads>
 __device__ __forceinline__ uint32_t block_suffix_sum(uint32_t s, uint32_t* buf) {
   constexpr int kWarps = kThreads / 32;
+  static_assert(kWarps <= 32, "one warp total per lane");
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   uint32_t x = s;
 #pragma unroll
@@ -164,7 +165,9 @@ __device__ __forceinline__ uint32_t block_suffix_sum(uint32_t s, uint32_t* buf) 
   }
   if (lane == 0) buf[warp] = x;
   __syncthreads();
-  for (int w = warp + 1; w < kWarps; ++w) x += buf[w];
+  // the warps above this one: lane w holds warp w's total, one warp reduction (not a loop of
+  // dependent shared loads, up to kWarps - 1 of them in warp 0)
+  x += __reduce_add_sync(0xffffffffu, lane < kWarps && lane > warp ? buf[lane] : 0u);
   __syncthreads();
   return x;
 }
@@ -174,6 +177,7 @@ template <int kThreads>
 __device__ __forceinline__ void block_excl_scan2(uint32_t a, uint32_t b, uint32_t& ea, uint32_t& eb,
                                                  uint32_t& ta, uint32_t& tb, uint32_t* buf) {
   constexpr int kWarps = kThreads / 32;
+  static_assert(kWarps <= 32, "one warp total per lane");
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   uint32_t x = a, y = b;
 #pragma unroll
@@ -190,20 +194,11 @@ __device__ __forceinline__ void block_excl_scan2(uint32_t a, uint32_t b, uint32_
     buf[kWarps + warp] = y;
   }
   __syncthreads();
-  uint32_t px = 0, py = 0, sx = 0, sy = 0;
-  for (int w = 0; w < kWarps; ++w) {
-    const uint32_t bx = buf[w], by = buf[kWarps + w];
-    if (w < warp) {
-      px += bx;
-      py += by;
-    }
-    sx += bx;
-    sy += by;
-  }
-  ea = px + x - a;
-  eb = py + y - b;
-  ta = sx;
-  tb = sy;
+  const uint32_t bx = lane < kWarps ? buf[lane] : 0u, by = lane < kWarps ? buf[kWarps + lane] : 0u;  // lane w: warp w
+  ea = __reduce_add_sync(0xffffffffu, lane < warp ? bx : 0u) + x - a;
+  eb = __reduce_add_sync(0xffffffffu, lane < warp ? by : 0u) + y - b;
+  ta = __reduce_add_sync(0xffffffffu, bx);
+  tb = __reduce_add_sync(0xffffffffu, by);
   __syncthreads();
 }
 
@@ -392,7 +387,9 @@ __device__ __forceinline__ void cluster_select_emit(cg::cluster_group& cluster, 
     }
 
     // Reduce-scatter: this CTA sums bins [rank*S, rank*S + S) over the cluster (S/4 threads,
-    // C remote 16-byte loads each, up to 8 in flight).
+    // C remote 16-byte loads each, up to 8 in flight). The loads are not predicated (a rank past
+    // C - 1 reloads rank C - 1, not added): with `if (r0 + j < C)` around them ptxas issued them
+    // four at a time, each four a DSMEM round trip.
     const int S = nbins / C;
     uint32_t part = 0;
     if (tid < S / 4) {
@@ -401,18 +398,18 @@ __device__ __forceinline__ void cluster_select_emit(cg::cluster_group& cluster, 
       constexpr int kBatch = kMaxCluster < 8 ? kMaxCluster : 8;
 #pragma unroll
       for (int r0 = 0; r0 < kMaxCluster; r0 += kBatch) {
+        if (r0 >= C) break;  // uniform
         uint4 v[kBatch];
 #pragma unroll
         for (int j = 0; j < kBatch; ++j)  // all remote loads of the batch in flight before the sums
-          if (r0 + j < C) v[j] = ld_cluster_v4(cluster_addr(mine, r0 + j));
+          v[j] = ld_cluster_v4(cluster_addr(mine, min(r0 + j, C - 1)));
 #pragma unroll
         for (int j = 0; j < kBatch; ++j) {
-          if (r0 + j < C) {
-            acc.x += v[j].x;
-            acc.y += v[j].y;
-            acc.z += v[j].z;
-            acc.w += v[j].w;
-          }
+          const uint32_t on = r0 + j < C ? 0xFFFFFFFFu : 0u;
+          acc.x += v[j].x & on;
+          acc.y += v[j].y & on;
+          acc.z += v[j].z & on;
+          acc.w += v[j].w & on;
         }
       }
       reinterpret_cast<uint4*>(s.slice)[tid] = acc;
@@ -536,18 +533,21 @@ __device__ __forceinline__ void cluster_select_emit(cg::cluster_group& cluster, 
     uint32_t ck[kPer];
     int cp[kPer];
     const uint32_t total = x.cand_start[C];  // == count <= kCandCap
+    // Candidate g lives in CTA r, the last with cand_start[r] <= g: a binary search per candidate,
+    // branch-free (g past the total searches and loads the last candidate, then is dropped; total
+    // >= 1: the bin holds the k-th key), so the kPer searches and remote loads overlap (a linear
+    // search, one dependent shared load per CTA passed, took ~4K cycles at C = 16).
 #pragma unroll
     for (int j = 0; j < kPer; ++j) {
       const uint32_t g = (uint32_t)(tid + j * kThreads);
-      ck[j] = 0;
-      cp[j] = -1;
-      if (g < total) {
-        int r = 0;
-        while (r + 1 < C && x.cand_start[r + 1] <= g) ++r;
-        const uint2 c = ld_cluster_v2(cluster_addr(s.cand + (g - x.cand_start[r]), r));
-        ck[j] = c.x;
-        cp[j] = (int)c.y;
-      }
+      const uint32_t gc = min(g, total - 1);
+      int r = 0;
+#pragma unroll
+      for (int step = kMaxClusterSlots / 2; step > 0; step >>= 1)
+        if (r + step < C && x.cand_start[r + step] <= gc) r += step;
+      const uint2 c = ld_cluster_v2(cluster_addr(s.cand + (gc - x.cand_start[r]), r));
+      ck[j] = g < total ? c.x : 0u;
+      cp[j] = g < total ? (int)c.y : -1;
     }
     while (!take_all && shift > 0) {  // local radix passes over the candidates (hist1 is local now)
       const int dshift = shift > 10 ? 10 : 0;
