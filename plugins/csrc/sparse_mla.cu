@@ -24,7 +24,7 @@ static_assert(dsa_sparse_mla::kMaxSplits * kTileKeys >= kMaxTopk, "a split launc
 constexpr int kHeadsPerCta = 64;   // the fp8 kernel's head block (wgmma M)
 constexpr size_t kPartBytesPerRow = DSA_MLA_V_DIM * sizeof(__half) + sizeof(float);  // per (chunk, token, head): out + lse
 // Split grids stay within one wave of the largest sm_90 part (H100 SXM / H200: 132 SMs, one CTA
-// each): the kernel's per-CTA fixed cost (~15 us: slots, q, pipeline fill) makes a second wave
+// each): the kernel's per-CTA fixed cost (~6 us at b = 1: slots, q, pipeline fill) makes a second wave
 // cost more than the shorter chunks save. A constant, not the device's count, so that the
 // workspace bound (and a TensorRT engine's workspace) does not depend on the device.
 constexpr int64_t kMaxSplitCtas = 132;
