@@ -533,21 +533,23 @@ __device__ __forceinline__ void cluster_select_emit(cg::cluster_group& cluster, 
     uint32_t ck[kPer];
     int cp[kPer];
     const uint32_t total = x.cand_start[C];  // == count <= kCandCap
-    // Candidate g lives in CTA r, the last with cand_start[r] <= g: a binary search per candidate,
-    // branch-free (g past the total searches and loads the last candidate, then is dropped; total
-    // >= 1: the bin holds the k-th key), so the kPer searches and remote loads overlap (a linear
-    // search, one dependent shared load per CTA passed, took ~4K cycles at C = 16).
+    // Candidate g lives in CTA r, the last with cand_start[r] <= g: a branch-free binary search
+    // per candidate, so the kPer searches overlap (the linear search it replaced was one dependent
+    // shared load per CTA passed, per candidate in turn); only the remote load is predicated.
 #pragma unroll
     for (int j = 0; j < kPer; ++j) {
       const uint32_t g = (uint32_t)(tid + j * kThreads);
-      const uint32_t gc = min(g, total - 1);
       int r = 0;
 #pragma unroll
       for (int step = kMaxClusterSlots / 2; step > 0; step >>= 1)
-        if (r + step < C && x.cand_start[r + step] <= gc) r += step;
-      const uint2 c = ld_cluster_v2(cluster_addr(s.cand + (gc - x.cand_start[r]), r));
-      ck[j] = g < total ? c.x : 0u;
-      cp[j] = g < total ? (int)c.y : -1;
+        if (r + step < C && x.cand_start[r + step] <= g) r += step;
+      ck[j] = 0;
+      cp[j] = -1;
+      if (g < total) {
+        const uint2 c = ld_cluster_v2(cluster_addr(s.cand + (g - x.cand_start[r]), r));
+        ck[j] = c.x;
+        cp[j] = (int)c.y;
+      }
     }
     while (!take_all && shift > 0) {  // local radix passes over the candidates (hist1 is local now)
       const int dshift = shift > 10 ? 10 : 0;
