@@ -168,7 +168,7 @@ int dsa_indexer_topk_describe(const DsaIndexerTopkParams* p, char* buf, size_t l
 //
 // Split-KV (fp8 only, small T): when T * ceil(H / 64) CTAs leave most SMs idle, each token's
 // top-k list is cut into chunks of whole 64-key tiles, one CTA per (token, head block, chunk)
-// writes an fp32 partial out + lse into `workspace`, and a combine kernel merges them.
+// writes a partial out (fp16) + lse into `workspace`, and a combine kernel merges them.
 // num_splits = 0 picks the chunk count from T, H and the SM count (at most one wave, 132 CTAs);
 // 1 never splits; n > 1 asks for about n chunks (ceil(tiles / ceil(tiles / n)), whole tiles) and
 // fails if that needs more than 132 CTAs or workspace is NULL. With num_splits = 0 and workspace

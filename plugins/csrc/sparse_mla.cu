@@ -146,7 +146,8 @@ extern "C" int dsa_launch_sparse_mla(const DsaSparseMlaParams* p, cudaStream_t s
   const int status = choose_splits(*p, &n_splits);
   if (status != DSA_OK) return status;
   if (n_splits == 1) return dsa_sparse_mla::launch_fp8(*p, stream);
-  // The kernel writes fp32 partials as 16-byte vectors.
+  // The split kernel writes the fp16 partials as 8-byte vectors (16-byte alignment, what every
+  // allocator gives, is the documented contract).
   DSA_CHECK_ARG(aligned(p->workspace, 16), "sparse_mla: workspace=%p must be 16-byte aligned", p->workspace);
   const int tiles = tiles_of(p->topk);
   __half* part_out = static_cast<__half*>(p->workspace);
