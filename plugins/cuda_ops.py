@@ -593,7 +593,7 @@ def sparse_mla(q, pool, slots, kv_scale: float, sm_scale: float, *, num_splits: 
         return out, lse
     lib = _require_lib()
     ws_bytes = lib.sparse_mla_workspace_size(num_tokens, heads, topk, fmt) if lib.sparse_mla_workspace_size else 0
-    workspace = torch.empty(ws_bytes, dtype=torch.uint8, device=dev) if ws_bytes else None  # [ws_bytes] fp32 partials
+    workspace = torch.empty(ws_bytes, dtype=torch.uint8, device=dev) if ws_bytes else None  # [ws_bytes] split-KV partials
     p = SparseMlaParams(
         _ptr(q), _ptr(pool), _ptr(slots), _ptr(out), _ptr(lse), num_tokens, heads, topk,
         q.stride(0) if num_tokens > 1 else heads * MLA_DIM, q.stride(1) if heads > 1 else MLA_DIM,

@@ -150,7 +150,8 @@ def row_errors(got, want):
 
 # The fp8 cases of tests/test_kernels_sparse_mla.py: (name, tokens, heads, topk, pages, extra, runs). runs:
 # "auto" (num_splits 0 or None: chunked for the test's token count `T` on 132 SMs), an int n (forced), or
-# ("partials", n) (each chunk's fp32 partial vs the replay of its keys alone). Cases with many tokens run
+# ("partials", n) (each chunk's partial vs the replay of its keys alone; the kernel stores it as fp16,
+# 2^-12 relative, which the model leaves out). Cases with many tokens run
 # with fewer (rows are alike; the chunking stays the test's). Every split run is also compared with the
 # unsplit run of the model (split vs unsplit).
 CASES = [
@@ -181,7 +182,7 @@ def run_case(case_def, seed, bits, integer_max):
     res = []
     unsplit = None
     for run in runs:
-        if isinstance(run, tuple):  # each chunk's fp32 partial vs the replay of its keys alone
+        if isinstance(run, tuple):  # each chunk's partial vs the replay of its keys alone
             rows, rels = [], []
             for k0, k1 in R.fp8_split_chunks(T_test, H, k, run[1], 132):
                 cc = dict(c, slots=c["slots"][:, k0:k1].contiguous())

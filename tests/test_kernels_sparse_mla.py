@@ -12,7 +12,7 @@ bf16 pool (exact mode): one tier vs the float64 reference.
 
 Split-KV (fp8, small T): the launcher cuts each token's top-k list into chunks of whole 64-key
 tiles when T * ceil(H / 64) CTAs would leave the GPU idle (auto: one wave of the SMs; num_splits /
-DSA_MLA_SPLITS force a count) and combines fp32 partials by lse. Each chunk has its own running
+DSA_MLA_SPLITS force a count) and combines the partials (fp16) by lse. Each chunk has its own running
 max, so its P rounds to e4m3 differently from the unsplit run: tier 1 of a split run compares with
 a per-chunk replay (the launcher's chunk boundaries, ref_sparse_mla.fp8_split_chunks) merged by lse
 in float64, as tight as unsplit; split vs unsplit is bounded by the fp8 noise between the two

@@ -2,7 +2,7 @@
 //
 // One work item = one query token x one block of 64 heads (wgmma M = 64; H = 16 / 32 pad the
 // block with zero rows that are never stored) x one chunk of the token's tiles (kSplit: split-KV
-// for small T, the fp32 partial out + lse go to the workspace and sparse_mla_fp8_split.cu
+// for small T, the partial out (fp16) + lse go to the workspace and sparse_mla_fp8_split.cu
 // combines them; otherwise the one chunk is the whole list). A persistent CTA per SM runs every
 // gridDim.x-th item, its pipeline running on from one item into the next. All heads share each
 // gathered latent row (MQA), so an item streams its chunk of the k selected rows in tiles of 64
@@ -454,7 +454,7 @@ __device__ __forceinline__ void consumer(Fp8Smem& sm, const DsaSparseMlaParams& 
   }
 
   // ---- epilogue: out = O * kv_scale / l, lse = ln2 * (m - 8 + log2 l); bf16 out and lse, or
-  // (kSplit) the chunk's fp32 partials in the workspace
+  // (kSplit) the chunk's partials in the workspace (fp16 out in fp8 units, fp32 lse)
   {  // each consumer summed its half of the keys: l = both halves (slot 1 of the buffers is free now)
     reinterpret_cast<float2*>(&sm.xchg[c][1][0])[ctid] = make_float2(l_run[0], l_run[1]);
     named_bar_sync(kBarConsumers, 2 * kWarpgroup);
@@ -507,7 +507,7 @@ __device__ __forceinline__ void consumer(Fp8Smem& sm, const DsaSparseMlaParams& 
 }
 
 // kRows: real heads in the 64-row block (16, 32, 64); kHeadBlocks: 64-head blocks per token (1, 2);
-// kSplit: one chunk of plan.tiles_per_split tiles per CTA, fp32 partials to the workspace.
+// kSplit: one chunk of plan.tiles_per_split tiles per CTA, partials to the workspace.
 template <int kRows, int kHeadBlocks, bool kSplit>
 __global__ void __launch_bounds__(kThreads, 1) sparse_mla_fp8_kernel(const DsaSparseMlaParams p, const SplitPlan plan) {
   extern __shared__ __align__(128) uint8_t smem_raw[];
