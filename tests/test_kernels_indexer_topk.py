@@ -247,6 +247,15 @@ def make_topk_inputs(rows, width, lengths, kind, seed, batch=3, stride_pad=0, co
     elif kind == "narrower":  # only the low 10 bits vary: the first two digits are shared by every key
         bits = torch.randint(0, 1024, (rows, width), generator=g, device=DEV, dtype=torch.int32) + 0x3F800000
         logits.copy_(bits.view(torch.float32))
+    elif kind in ("alias_high", "alias_low", "alias_zero"):  # the sampled threshold's positions (32 of
+        # every 512) hold the row's top (the sample puts the threshold too high: fewer than k
+        # candidates), its bottom (too low: candidates past the cap) or exact zeros (a tied value
+        # that is not the threshold); the select falls back to the full path
+        sampled = (torch.arange(width, device=DEV) % 512 < 32).expand(rows, width)
+        if kind == "alias_zero":
+            logits.masked_fill_(sampled, 0.0)
+        else:
+            logits.add_(sampled.float() * (10.0 if kind == "alias_high" else -10.0))
     if isinstance(lengths, str):  # "rand": in [k+1, width]
         lengths = torch.randint(2049, width + 1, (rows,), generator=g, device=DEV)
     lengths = torch.as_tensor(lengths, device=DEV).to(torch.int32)
@@ -278,6 +287,14 @@ TOPK_CASES = [
     ("narrow_k1", 2, 131072, [131072, 5000], "narrow", 1, {}),
     # ... and still over the cap after pass 1: the marks are dropped, pass 2 and the full sweep
     ("narrower_3x128k", 3, 131072, [131072, 100000, 65536], "narrower", 2048, {}),
+    # uncached slices (64 rows x 128K: clusters of 2) take the sampled threshold: misaligned rows,
+    # ragged lengths (some leave the second CTA no keys), and samples that misjudge the row
+    ("sampled_misaligned_64x128k", 64, 131072, "rand", "randn", 2048, {"stride_pad": 9, "col_offset": 3}),
+    ("sampled_alias_high_64x128k", 64, 131072, [131072 - 3 * i for i in range(64)], "alias_high", 2048, {}),
+    ("sampled_alias_low_64x128k", 64, 131072, [131072 - 3 * i for i in range(64)], "alias_low", 2048, {}),
+    ("sampled_alias_zero_64x128k", 64, 131072, [131072 - 3 * i for i in range(64)], "alias_zero", 2048, {}),
+    # ... and a tied threshold seen in the sample: one sweep marks above / tied
+    ("sampled_levels_64x128k", 64, 131072, "rand", "levels", 2048, {}),
 ]
 
 

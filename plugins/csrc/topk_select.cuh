@@ -25,6 +25,8 @@
 // 4. Emit: per-thread bit counts, one block scan, one exchange of the CTA totals; the tied bits
 //    are taken in position order until the k - (selected) ties are placed. Output j is the j-th
 //    selected position of the row.
+// Slices read from global memory may first try sampled_select_emit (end of this file): a sample
+// bounds the threshold and one read of the slice replaces pass 0 and the sweep.
 // NaN and -inf are ordinary keys (order_key orders every bit pattern).
 #pragma once
 
@@ -130,6 +132,26 @@ __device__ __forceinline__ void hist_add4(const uint32_t hist, const uint4 kv, c
   red_add_shared_if(!agg && nvalid > 1, hist + 4 * d1, 1u);
   red_add_shared_if(!agg && nvalid > 2, hist + 4 * d2, 1u);
   red_add_shared_if(!agg && nvalid > 3, hist + 4 * d3, 1u);
+}
+
+// Histogram (shared address hist) of the 11-bit digits (key >> dshift) & 0x7FF of those of 4 keys
+// that match `prefix` at `shift`, aggregated as hist_add4. Warp-collective.
+__device__ __forceinline__ void hist_add4_matching(const uint32_t hist, const uint4 kv, const uint32_t prefix,
+                                                   const int shift, const int dshift) {
+  const uint32_t kk[4] = {kv.x, kv.y, kv.z, kv.w};
+  bool on[4];
+  uint32_t d[4];
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    on[e] = (uint32_t)((uint64_t)kk[e] >> shift) == prefix;
+    d[e] = (kk[e] >> dshift) & 0x7FFu;
+  }
+  const uint32_t lead = __shfl_sync(0xffffffffu, d[0], 0);
+  const bool agg = on[0] && on[1] && on[2] && on[3] && d[0] == lead && d[1] == lead && d[2] == lead && d[3] == lead;
+  const uint32_t lanes = __ballot_sync(0xffffffffu, agg);
+  red_add_shared_if((threadIdx.x & 31) == 0 && lanes, hist + 4 * lead, 4 * __popc(lanes));
+#pragma unroll
+  for (int e = 0; e < 4; ++e) red_add_shared_if(!agg && on[e], hist + 4 * d[e], 1u);
 }
 
 // One shared atomic per run of equal digits in a thread's sequence (massive ties -> few atomics).
@@ -275,6 +297,200 @@ __device__ __forceinline__ void local_threshold(const uint32_t* hist, const int 
     }
   }
   __syncthreads();
+}
+
+// Keys match a prefix when key >> shift == prefix; shift 32: every key matches.
+__device__ __forceinline__ uint32_t key_high(uint32_t key, int shift) {
+  return (uint32_t)((uint64_t)key >> shift);
+}
+
+// After the cluster barrier that publishes every CTA's x.ncand: x.cand_start[r] = the candidates
+// of the CTAs before r, and the row's total (returned). Block-wide.
+template <int kThreads>
+__device__ __forceinline__ uint32_t candidate_offsets(const int C, SelectScratch<kThreads>& x) {
+  const int tid = threadIdx.x;
+  if (tid < 32) {
+    const uint32_t n = tid < C ? ld_cluster_u32(cluster_addr(&x.ncand, tid)) : 0u;
+    uint32_t incl = n;
+#pragma unroll
+    for (int off = 1; off < 32; off <<= 1) {
+      const uint32_t v = __shfl_up_sync(0xffffffffu, incl, off);
+      if (tid >= off) incl += v;
+    }
+    if (tid <= C && tid <= kMaxClusterSlots) x.cand_start[tid] = incl - n;  // tid == C: the total
+  }
+  __syncthreads();
+  return x.cand_start[C];
+}
+
+// Every CTA loads all `total` (<= kCandCap) candidates of the row from DSMEM into registers,
+// finishes the radix select on them locally (keys matching `prefix` at `shift`, k_rem of them
+// still to take; the same result in every CTA) and marks its own positions: above the threshold
+// -> selected, equal -> tied. Returns the tied keys to take, lowest positions first.
+template <int kThreads>
+__device__ __forceinline__ uint32_t candidate_select_mark(const SelectSmem<kThreads>& s, const int C, const int start,
+                                                          const int n_local, const uint32_t total, uint32_t prefix,
+                                                          int shift, uint32_t k_rem, uint32_t* sel_bits,
+                                                          uint32_t* tie_bits) {
+  SelectScratch<kThreads>& x = *s.x;
+  const int tid = threadIdx.x;
+  constexpr int kPer = kCandCap / kThreads;
+  uint32_t ck[kPer];
+  int cp[kPer];
+  // Candidate g lives in CTA r, the last with cand_start[r] <= g: a branch-free binary search
+  // per candidate, so the kPer searches overlap (the linear search it replaced was one dependent
+  // shared load per CTA passed, per candidate in turn); only the remote load is predicated.
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) {
+    const uint32_t g = (uint32_t)(tid + j * kThreads);
+    int r = 0;
+#pragma unroll
+    for (int step = kMaxClusterSlots / 2; step > 0; step >>= 1)
+      if (r + step < C && x.cand_start[r + step] <= g) r += step;
+    ck[j] = 0;
+    cp[j] = -1;
+    if (g < total) {
+      const uint2 c = ld_cluster_v2(cluster_addr(s.cand + (g - x.cand_start[r]), r));
+      ck[j] = c.x;
+      cp[j] = (int)c.y;
+    }
+  }
+  bool take_all = false;
+  while (!take_all && shift > 0) {  // local radix passes of 11, 11, 10 bits (hist1 is local now)
+    const int dshift = shift > 21 ? 21 : (shift > 10 ? 10 : 0);
+    const int nb = 1 << (shift - dshift);
+    for (int i = tid; i < nb; i += kThreads) s.hist1[i] = 0;
+    __syncthreads();
+#pragma unroll
+    for (int j = 0; j < kPer; ++j)
+      if (cp[j] >= 0 && key_high(ck[j], shift) == prefix)
+        red_add_shared(smem_addr(s.hist1 + ((ck[j] >> dshift) & (uint32_t)(nb - 1))), 1u);
+    __syncthreads();
+    local_threshold<kThreads>(s.hist1, nb, k_rem, x);
+    prefix = (shift == 32 ? 0u : prefix << (shift - dshift)) | x.sel[0];
+    k_rem = x.sel[1];
+    take_all = x.sel[2] == k_rem;
+    shift = dshift;
+    __syncthreads();  // x.sel is rewritten by the next pass
+  }
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) {
+    const int lp = cp[j] - start;
+    if (cp[j] >= 0 && lp >= 0 && lp < n_local) {
+      const uint32_t hi = ck[j] >> shift;
+      if (hi > prefix || (take_all && hi == prefix)) red_or_shared(smem_addr(sel_bits + lp / 32), 1u << (lp % 32));
+      else if (hi == prefix) red_or_shared(smem_addr(tie_bits + lp / 32), 1u << (lp % 32));
+    }
+  }
+  return take_all ? 0u : k_rem;
+}
+
+// The emit's counts: this thread's bitmap words [w0, w1), its offsets in the CTA, the CTA's totals,
+// the totals of the CTAs before this one and (kRowTotals) of the whole row (selected, tied). Ends with cluster
+// barrier (E), after which this CTA reads the other CTAs' totals (no arrive is pending after it).
+struct EmitCounts {
+  int w0, w1;
+  uint32_t off_sel, off_tie, cta_sel, cta_tie, base_sel, base_tie, row_sel, row_tie;
+};
+template <int kThreads, bool kRowTotals>
+__device__ __forceinline__ EmitCounts emit_counts(cg::cluster_group& cluster, const SelectSmem<kThreads>& s,
+                                                  const int n_local, const int chunk) {
+  SelectScratch<kThreads>& x = *s.x;
+  const int C = (int)cluster.num_blocks();
+  const int rank = (int)cluster.block_rank();
+  const int tid = threadIdx.x, lane = tid & 31;
+  const int nwords = (n_local + 31) / 32;
+  const uint32_t* sel_bits = s.bits;
+  const uint32_t* tie_bits = s.bits + select_bitmap_bytes(chunk) / 8;
+  EmitCounts c;
+  // thread t owns words [t * wpt, (t + 1) * wpt)
+  const int wpt = (nwords + kThreads - 1) / kThreads;
+  c.w0 = min(tid * wpt, nwords);
+  c.w1 = min(c.w0 + wpt, nwords);
+  uint32_t n_sel = 0, n_tie = 0;
+  for (int w = c.w0; w < c.w1; ++w) {
+    n_sel += __popc(sel_bits[w]);
+    n_tie += __popc(tie_bits[w]);
+  }
+  block_excl_scan2<kThreads>(n_sel, n_tie, c.off_sel, c.off_tie, c.cta_sel, c.cta_tie, x.scan);
+  if (tid == 0) {
+    x.totals[0] = c.cta_sel;
+    x.totals[1] = c.cta_tie;
+  }
+  cluster.sync();  // (E) every CTA's totals are published
+  uint32_t ts = 0, tt = 0;  // lane r: CTA r's totals (every warp reads them), of the CTAs before this one
+  if (lane < (kRowTotals ? C : rank)) {
+    ts = ld_cluster_u32(cluster_addr(&x.totals[0], lane));
+    tt = ld_cluster_u32(cluster_addr(&x.totals[1], lane));
+  }
+  if constexpr (kRowTotals) {
+    c.row_sel = __reduce_add_sync(0xffffffffu, ts);
+    c.row_tie = __reduce_add_sync(0xffffffffu, tt);
+    ts = lane < rank ? ts : 0u;
+    tt = lane < rank ? tt : 0u;
+  }
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) {
+    ts += __shfl_xor_sync(0xffffffffu, ts, off);
+    tt += __shfl_xor_sync(0xffffffffu, tt, off);
+  }
+  c.base_sel = ts;
+  c.base_tie = tt;
+  return c;
+}
+
+// Emit in position order: every selected bit, then the first k_ties tied bits of the row (over
+// the cluster, by position), from the counts of emit_counts. Every CTA's candidates have been
+// read by the other CTAs before (E).
+template <int kThreads>
+__device__ __forceinline__ void emit_write(const SelectSmem<kThreads>& s, const int start, const int chunk,
+                                           const uint32_t k_ties, const EmitCounts& c, const RowOutput& out) {
+  const int tid = threadIdx.x;
+  const uint32_t* sel_bits = s.bits;
+  const uint32_t* tie_bits = s.bits + select_bitmap_bytes(chunk) / 8;
+  const int w0 = c.w0, w1 = c.w1;
+  const uint32_t off_sel = c.off_sel, off_tie = c.off_tie, cta_sel = c.cta_sel, cta_tie = c.cta_tie;
+  const uint32_t base_sel = c.base_sel, base_tie = c.base_tie;
+  cluster_arrive();  // this CTA's remote reads are done
+  // Positions in order into the candidate buffer (every CTA's candidates were read before (E)),
+  // then translated by all threads at once (each translation is a dependent global load).
+  int32_t* staged = reinterpret_cast<int32_t*>(s.cand);  // [kMaxTopk]
+  const uint32_t first = base_sel + min(base_tie, k_ties);  // this CTA's first output index
+  const uint32_t n_out = cta_sel + min(base_tie + cta_tie, k_ties) - min(base_tie, k_ties);
+  uint32_t tie_rank = base_tie + off_tie;
+  int j = (int)(base_sel + off_sel + min(tie_rank, k_ties) - first);
+  for (int w = w0; w < w1; ++w) {
+    uint32_t m = sel_bits[w], t = tie_bits[w];
+    if (t && tie_rank < k_ties) {
+      const uint32_t n = __popc(t), need = k_ties - tie_rank;
+      if (n <= need) {
+        m |= t;
+        tie_rank += n;
+      } else {
+        for (uint32_t i = 0; i < need; ++i) {
+          m |= t & (0u - t);  // lowest remaining tied bit
+          t &= t - 1;
+        }
+        tie_rank = k_ties;
+      }
+    }
+    while (m) {
+      staged[j++] = start + w * 32 + (__ffs(m) - 1);
+      m &= m - 1;
+    }
+  }
+  __syncthreads();
+  for (uint32_t i = tid; i < n_out; i += kThreads)
+    out.put((int)(first + i), staged[i], s.pages[(staged[i] - start) / DSA_PAGE_SIZE]);
+  cluster_wait();  // no CTA leaves while another may still read its shared memory
+}
+
+// The bitmaps are complete (after a block barrier): count, then write the row's output.
+template <int kThreads>
+__device__ __forceinline__ void emit_selected(cg::cluster_group& cluster, const SelectSmem<kThreads>& s,
+                                              const int n_local, const int start, const int chunk,
+                                              const uint32_t k_ties, const RowOutput& out) {
+  emit_write<kThreads>(s, start, chunk, k_ties, emit_counts<kThreads, false>(cluster, s, n_local, chunk), out);
 }
 
 // The k (< L, the row's candidate count) largest keys of the row -> out, in ascending position
@@ -518,126 +734,230 @@ __device__ __forceinline__ void cluster_select_emit(cg::cluster_group& cluster, 
   uint32_t k_ties = take_all ? 0u : k_rem;  // tied keys to take, lowest positions first
   if (mode == kCand) {
     cluster.sync();  // (C) every CTA's candidates are written
-    if (tid < 32) {
-      const uint32_t n = tid < C ? ld_cluster_u32(cluster_addr(&x.ncand, tid)) : 0u;
-      uint32_t incl = n;
-#pragma unroll
-      for (int off = 1; off < 32; off <<= 1) {
-        const uint32_t v = __shfl_up_sync(0xffffffffu, incl, off);
-        if (tid >= off) incl += v;
-      }
-      if (tid <= C && tid <= kMaxClusterSlots) x.cand_start[tid] = incl - n;  // tid == C: the total
-    }
-    __syncthreads();
-    constexpr int kPer = kCandCap / kThreads;
-    uint32_t ck[kPer];
-    int cp[kPer];
-    const uint32_t total = x.cand_start[C];  // == count <= kCandCap
-    // Candidate g lives in CTA r, the last with cand_start[r] <= g: a branch-free binary search
-    // per candidate, so the kPer searches overlap (the linear search it replaced was one dependent
-    // shared load per CTA passed, per candidate in turn); only the remote load is predicated.
-#pragma unroll
-    for (int j = 0; j < kPer; ++j) {
-      const uint32_t g = (uint32_t)(tid + j * kThreads);
-      int r = 0;
-#pragma unroll
-      for (int step = kMaxClusterSlots / 2; step > 0; step >>= 1)
-        if (r + step < C && x.cand_start[r + step] <= g) r += step;
-      ck[j] = 0;
-      cp[j] = -1;
-      if (g < total) {
-        const uint2 c = ld_cluster_v2(cluster_addr(s.cand + (g - x.cand_start[r]), r));
-        ck[j] = c.x;
-        cp[j] = (int)c.y;
-      }
-    }
-    while (!take_all && shift > 0) {  // local radix passes over the candidates (hist1 is local now)
-      const int dshift = shift > 10 ? 10 : 0;
-      const int nb = 1 << (shift - dshift);
-      for (int i = tid; i < nb; i += kThreads) s.hist1[i] = 0;
-      __syncthreads();
-#pragma unroll
-      for (int j = 0; j < kPer; ++j)
-        if (cp[j] >= 0 && (ck[j] >> shift) == prefix)
-          red_add_shared(smem_addr(s.hist1 + ((ck[j] >> dshift) & (uint32_t)(nb - 1))), 1u);
-      __syncthreads();
-      local_threshold<kThreads>(s.hist1, nb, k_rem, x);
-      prefix = (prefix << (shift - dshift)) | x.sel[0];
-      k_rem = x.sel[1];
-      take_all = x.sel[2] == k_rem;
-      shift = dshift;
-      __syncthreads();  // x.sel is rewritten by the next pass
-    }
-#pragma unroll
-    for (int j = 0; j < kPer; ++j) {
-      const int lp = cp[j] - start;
-      if (cp[j] >= 0 && lp >= 0 && lp < n_local) {
-        const uint32_t hi = ck[j] >> shift;
-        if (hi > prefix || (take_all && hi == prefix)) red_or_shared(smem_addr(sel_bits + lp / 32), 1u << (lp % 32));
-        else if (hi == prefix) red_or_shared(smem_addr(tie_bits + lp / 32), 1u << (lp % 32));
-      }
-    }
-    k_ties = take_all ? 0u : k_rem;
+    const uint32_t total = candidate_offsets<kThreads>(C, x);  // == count <= kCandCap
+    k_ties = candidate_select_mark<kThreads>(s, C, start, n_local, total, prefix, shift, k_rem, sel_bits, tie_bits);
   }
   __syncthreads();  // the bitmaps are complete
+  emit_selected<kThreads>(cluster, s, n_local, start, chunk, k_ties, out);
+}
 
-  // ---- 4. emit in position order: thread t owns words [t * wpt, (t + 1) * wpt)
-  const int wpt = (nwords + kThreads - 1) / kThreads;
-  const int w0 = min(tid * wpt, nwords), w1 = min(w0 + wpt, nwords);
-  uint32_t n_sel = 0, n_tie = 0;
-  for (int w = w0; w < w1; ++w) {
-    n_sel += __popc(sel_bits[w]);
-    n_tie += __popc(tie_bits[w]);
-  }
-  uint32_t off_sel, off_tie, cta_sel, cta_tie;
-  block_excl_scan2<kThreads>(n_sel, n_tie, off_sel, off_tie, cta_sel, cta_tie, x.scan);
+// ---- Sampled threshold: one full read for slices that are not cached in shared memory.
+//
+// The select above reads such a slice twice (the caller's pass 0, one shared atomic per key, and
+// the sweep) and crowded rows a third time. Here a sample of the row decides the threshold
+// region, and one read of the slice does the rest:
+// 1. Every CTA stages runs of 8 vectors (128-byte lines), one per 8 * stride vectors of its slice,
+//    in its bitmap area (the sample fits: stride >= 16); after a cluster barrier every CTA loads
+//    the whole cluster's sample (<= kThreads * kSamplePer keys) into registers and finds its m-th
+//    largest key to 22 bits, m = 1.5 k / stride (two local radix passes): T_low, the same in
+//    every CTA.
+// 2. One sweep: keys >= T_low become candidates (key, position); no histogram. When the row's
+//    candidates number at least k (then every key of the top k is one) and at most kCandCap, the
+//    candidate step of the select finishes exactly as above.
+// 3. A sample whose 22-bit bin at T_low holds more keys than the cap allows, all of one value t
+//    (massive ties, e.g. ReLU scores of exact zeros): the sweep marks keys > t as selected and
+//    keys == t as tied, and the row is done if count(> t) < k <= count(>= t).
+// Otherwise (a sample that misjudged the row) the function returns false and the caller runs the
+// full select: exact either way.
+constexpr int kSampleStride = 16;                 // slice vectors per sampled vector, at least
+constexpr int kSampleRun = 8;                     // consecutive vectors of a sampled run
+constexpr int kSamplePer = 16;                    // sampled keys per thread of the gather, at most
+constexpr int kSampleEstCap = kCandCap * 7 / 8;   // candidates the sample may predict, at most
+
+// Whether a row of L keys (cluster-uniform) may take the sampled path: k large enough for a
+// stable sample quantile, 1.5 k candidates within the cap, and a row much longer than k.
+__device__ __forceinline__ bool sampled_select_applies(const int L, const int k) {
+  return k >= 512 && 3 * k / 2 <= kSampleEstCap && L >= 16 * k;
+}
+
+// The k (< L) largest keys of the row -> out, as cluster_select_emit, or false (cluster-uniform,
+// nothing written, every CTA past a cluster barrier) when the sample does not settle the row.
+// s.hist0 is not used; fetch(v) as for cluster_select_emit. Any cp.async of the calling thread
+// (the slice's page ids) completes inside.
+template <int kThreads, class Fetch>
+__device__ __forceinline__ bool sampled_select_emit(cg::cluster_group& cluster, const SelectSmem<kThreads> s,
+                                                    const int n_local, const int start, const int chunk,
+                                                    const int k, Fetch fetch, const RowOutput& out) {
+  constexpr int kSampleVecs = kThreads * kSamplePer / 4;  // cluster-wide sampled vectors, at most
+  constexpr int kVecsPer = kSamplePer / 4;
+  const int C = (int)cluster.num_blocks();
+  const int tid = threadIdx.x, lane = tid & 31;
+  SelectScratch<kThreads>& x = *s.x;
+  const int nvec = (n_local + 3) / 4;
+  const int nvec_chunk = chunk / 4;
+  const int runs_max = kSampleVecs / C / kSampleRun;
+  const int stride = max(kSampleStride, (nvec_chunk + kSampleRun * runs_max - 1) / (kSampleRun * runs_max));
+  const int ns = (nvec_chunk + kSampleRun * stride - 1) / (kSampleRun * stride) * kSampleRun;  // per CTA: C * ns <= kSampleVecs
+  if (ns * 16 > select_bitmap_bytes(chunk)) return false;  // (uniform) the sample is staged in the bitmaps
+  const uint32_t m = (uint32_t)((3 * k + 2 * stride - 1) / (2 * stride));
+  uint4* samp = reinterpret_cast<uint4*>(s.bits);
   if (tid == 0) {
-    x.totals[0] = cta_sel;
-    x.totals[1] = cta_tie;
+    x.ncand = 0;
+    x.kmin = 0xFFFFFFFFu;
+    x.kmax = 0u;
   }
-  cluster.sync();  // (E) every CTA's totals are published
-  uint32_t base_sel = 0, base_tie = 0;  // over the CTAs before this one (every warp reads them)
-  if (lane < rank) {
-    base_sel = ld_cluster_u32(cluster_addr(&x.totals[0], lane));
-    base_tie = ld_cluster_u32(cluster_addr(&x.totals[1], lane));
-  }
+  auto sample_vec = [&](int i) { return i / kSampleRun * (kSampleRun * stride) + i % kSampleRun; };
+
+  // ---- 1. sample (positions past n_local as key 0, the smallest), all loads in flight at once
+  if (nvec > 0) {
+    uint4 q[kVecsPer];
 #pragma unroll
-  for (int off = 16; off > 0; off >>= 1) {
-    base_sel += __shfl_xor_sync(0xffffffffu, base_sel, off);
-    base_tie += __shfl_xor_sync(0xffffffffu, base_tie, off);
-  }
-  cluster_arrive();  // this CTA's remote reads are done
-  // Positions in order into the candidate buffer (every CTA's candidates were read before (E)),
-  // then translated by all threads at once (each translation is a dependent global load).
-  int32_t* staged = reinterpret_cast<int32_t*>(s.cand);  // [kMaxTopk]
-  const uint32_t first = base_sel + min(base_tie, k_ties);  // this CTA's first output index
-  const uint32_t n_out = cta_sel + min(base_tie + cta_tie, k_ties) - min(base_tie, k_ties);
-  uint32_t tie_rank = base_tie + off_tie;
-  int j = (int)(base_sel + off_sel + min(tie_rank, k_ties) - first);
-  for (int w = w0; w < w1; ++w) {
-    uint32_t m = sel_bits[w], t = tie_bits[w];
-    if (t && tie_rank < k_ties) {
-      const uint32_t n = __popc(t), need = k_ties - tie_rank;
-      if (n <= need) {
-        m |= t;
-        tie_rank += n;
-      } else {
-        for (uint32_t i = 0; i < need; ++i) {
-          m |= t & (0u - t);  // lowest remaining tied bit
-          t &= t - 1;
-        }
-        tie_rank = k_ties;
+    for (int j = 0; j < kVecsPer; ++j) q[j] = fetch(min(sample_vec(tid + j * kThreads), nvec - 1));
+#pragma unroll
+    for (int j = 0; j < kVecsPer; ++j) {
+      const int i = tid + j * kThreads, v = sample_vec(i), e0 = 4 * v;
+      if (i < ns) {
+        const bool in = v < nvec;
+        samp[i] = make_uint4(in && e0 < n_local ? q[j].x : 0u, in && e0 + 1 < n_local ? q[j].y : 0u,
+                             in && e0 + 2 < n_local ? q[j].z : 0u, in && e0 + 3 < n_local ? q[j].w : 0u);
       }
     }
-    while (m) {
-      staged[j++] = start + w * 32 + (__ffs(m) - 1);
-      m &= m - 1;
+  } else {
+    for (int i = tid; i < ns; i += kThreads) samp[i] = make_uint4(0u, 0u, 0u, 0u);
+  }
+  cluster.sync();  // (S) every CTA's sample is staged
+  uint4 sk[kVecsPer];
+#pragma unroll
+  for (int j = 0; j < kVecsPer; ++j) {  // unpredicated remote loads (a clamped address), masked after
+    const int g = tid + j * kThreads, r = g / ns;
+    const uint4 q = ld_cluster_v4(cluster_addr(samp + (r < C ? g - r * ns : 0), min(r, C - 1)));
+    sk[j] = r < C ? q : make_uint4(0u, 0u, 0u, 0u);
+  }
+  cluster_arrive();  // this CTA's remote reads of the samples are done (waited for before they are overwritten)
+  // The sample's m-th largest key to 22 bits: two local passes of 11 bits (warp-aggregated: a
+  // sample of massive ties would otherwise serialise on one bin).
+  uint32_t prefix = 0, k_rem = m, count = 0;
+  int shift = 32;
+#pragma unroll 1
+  for (int pass = 0; pass < 2; ++pass) {
+    const int dshift = pass == 0 ? 21 : 10;
+    for (int i = tid; i < kBins; i += kThreads) s.hist1[i] = 0;
+    __syncthreads();
+#pragma unroll
+    for (int j = 0; j < kVecsPer; ++j) hist_add4_matching(smem_addr(s.hist1), sk[j], prefix, shift, dshift);
+    __syncthreads();
+    local_threshold<kThreads>(s.hist1, kBins, k_rem, x);
+    prefix = (shift == 32 ? 0u : prefix << (shift - dshift)) | x.sel[0];
+    k_rem = x.sel[1];
+    count = x.sel[2];
+    shift = dshift;
+    __syncthreads();  // x.sel is rewritten by the next pass
+  }
+  const uint32_t t_low = prefix << shift;
+  // Sampled keys >= t_low, scaled: the candidates to expect. Past the cap: one tied value, or the
+  // full select (before the slice is read).
+  const bool ties = (uint64_t)(m - k_rem + count) * (uint64_t)stride > (uint64_t)kSampleEstCap;
+  uint32_t t_key = 0;
+  if (ties) {  // cluster-uniform (every CTA holds the same sample)
+    uint32_t mn = 0xFFFFFFFFu, mx = 0u;
+#pragma unroll
+    for (int j = 0; j < kVecsPer; ++j) {
+      const uint32_t kk[4] = {sk[j].x, sk[j].y, sk[j].z, sk[j].w};
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        if ((kk[e] >> shift) == prefix) {
+          mn = min(mn, kk[e]);
+          mx = max(mx, kk[e]);
+        }
+    }
+    mn = __reduce_min_sync(0xffffffffu, mn);
+    mx = __reduce_max_sync(0xffffffffu, mx);
+    if (lane == 0) {
+      atomicMin(&x.kmin, mn);
+      atomicMax(&x.kmax, mx);
+    }
+    __syncthreads();
+    t_key = x.kmin;
+    if (t_key != x.kmax) {
+      cluster_wait();  // every CTA's sample reads are done (the select rewrites the bitmaps)
+      return false;
     }
   }
+
+  // ---- 2. one sweep: visit(keys of vector v, v) for every vector of the slice, kUnroll loads in
+  // flight per thread (clamped to a real vector; visit ignores v >= nvec). Copying the slice's
+  // head to shared memory meanwhile (cp.async) was slower either way it was tried: issued with the
+  // sample, it queued the other CTAs' samples behind it in DRAM (64 x 128K 29.0 -> 33.0 us);
+  // issued after (S), 29.1 -> 29.9.
+  auto sweep = [&](auto&& visit) {
+    constexpr int kUnroll = 8;
+    for (int v0 = 0; v0 < nvec; v0 += kUnroll * kThreads) {
+      uint4 q[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) q[u] = fetch(min(v0 + u * kThreads + tid, nvec - 1));
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) visit(q[u], v0 + u * kThreads + tid);
+    }
+    asm volatile("cp.async.wait_all;\n" ::: "memory");  // the caller's page ids
+  };
+  const int nwords = (n_local + 31) / 32;
+  uint32_t* sel_bits = s.bits;
+  uint32_t* tie_bits = s.bits + select_bitmap_bytes(chunk) / 8;
+  auto zero_bitmaps = [&] {
+    for (int i = tid; i < nwords; i += kThreads) {
+      sel_bits[i] = 0;
+      tie_bits[i] = 0;
+    }
+  };
+
+  if (ties) {
+    // ---- 3. keys > t_key selected, == t_key tied (vector v holds bits [4 (v % 8), + 4) of word v / 8)
+    cluster_wait();  // the other CTAs have read this CTA's sample
+    zero_bitmaps();
+    __syncthreads();
+    const uint32_t sel_s = smem_addr(sel_bits), tie_s = smem_addr(tie_bits);
+    sweep([&](const uint4 q, const int v) {
+      const uint32_t valid = (1u << min(max(n_local - 4 * v, 0), 4)) - 1u;
+      const uint32_t kk[4] = {q.x, q.y, q.z, q.w};
+      uint32_t gm = 0, em = 0;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) gm |= (uint32_t)(kk[e] > t_key) << e;
+      asm volatile("" : "+r"(gm));  // packed before the == compares (see the sweep of cluster_select_emit)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) em |= (uint32_t)(kk[e] == t_key) << e;
+      gm &= valid;
+      em &= valid;
+      red_or_shared_if(gm != 0, sel_s + 4 * (v >> 3), gm << (4 * (v & 7)));
+      red_or_shared_if(em != 0, tie_s + 4 * (v >> 3), em << (4 * (v & 7)));
+    });
+    __syncthreads();  // the bitmaps are complete
+    const EmitCounts c = emit_counts<kThreads, true>(cluster, s, n_local, chunk);
+    if (!(c.row_sel < (uint32_t)k && (uint64_t)c.row_sel + c.row_tie >= (uint64_t)k))
+      return false;  // (uniform) the full select rewrites x.totals only after barriers every CTA passes
+    emit_write<kThreads>(s, start, chunk, (uint32_t)k - c.row_sel, c, out);
+    return true;
+  }
+
+  // ---- 2. keys >= t_low -> candidates (one shared atomic per thread; past the cap only counted)
+  sweep([&](const uint4 q, const int v) {
+    const uint32_t kk[4] = {q.x, q.y, q.z, q.w};
+    uint32_t em = 0;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) em |= (uint32_t)(kk[e] >= t_low) << e;
+    em &= (1u << min(max(n_local - 4 * v, 0), 4)) - 1u;
+    if (em) {
+      uint32_t slot = atomicAdd(&x.ncand, (uint32_t)__popc(em));
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        if (em & (1u << e)) {
+          if (slot < (uint32_t)kCandCap) s.cand[slot] = make_uint2(kk[e], (uint32_t)(start + 4 * v + e));
+          ++slot;
+        }
+    }
+  });
+  cluster_wait();  // (pairs the arrive after the sample reads)
+  cluster.sync();  // (C) every CTA's candidates are written
+  const uint32_t total = candidate_offsets<kThreads>(C, x);
+  if (total < (uint32_t)k || total > (uint32_t)kCandCap) {  // cluster-uniform
+    cluster.sync();  // the other CTAs have read this CTA's candidate count
+    return false;
+  }
+  zero_bitmaps();
   __syncthreads();
-  for (uint32_t i = tid; i < n_out; i += kThreads)
-    out.put((int)(first + i), staged[i], s.pages[(staged[i] - start) / DSA_PAGE_SIZE]);
-  cluster_wait();  // no CTA leaves while another may still read its shared memory
+  const uint32_t k_ties = candidate_select_mark<kThreads>(s, C, start, n_local, total, 0u, 32, (uint32_t)k, sel_bits, tie_bits);
+  __syncthreads();  // the bitmaps are complete
+  emit_selected<kThreads>(cluster, s, n_local, start, chunk, k_ties, out);
+  return true;
 }
 
 }  // namespace dsa_topk

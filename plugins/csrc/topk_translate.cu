@@ -11,7 +11,10 @@
 // digit's histogram; when the slice fits in shared memory beside the select's state without
 // costing occupancy it is also kept there, otherwise the select's one further sweep re-reads it
 // (from L2 mostly: the sweep runs backwards). The cluster select + emit of topk_select.cuh does
-// the rest (shared with the fused indexer_topk.cu). Among keys equal to the k-th largest, the
+// the rest (shared with the fused indexer_topk.cu). Uncached slices of long rows first try the
+// sampled select of topk_select.cuh: a sample of the row bounds the threshold, and one read of
+// the slice collects the candidates (or marks a tied threshold value), with the full select as
+// the fallback when the sample misjudges the row. Among keys equal to the k-th largest, the
 // lowest positions win, and the output is in ascending position order, so it does not depend on
 // the cluster shape chosen here. No global atomics and no workspace.
 #include <stdlib.h>
@@ -103,6 +106,13 @@ __global__ void __launch_bounds__(kThreads, kMaxCtasPerSm) topk_translate_kernel
     else return fetch_global(v);
   };
 
+  const SelectSmem<kThreads> sm{s.hist[0], s.hist[1], s.slice, bits, s.cand, pages, &s.x};
+  // A slice read from global memory: a sampled threshold and one read (topk_select.cuh), unless
+  // the sample does not settle the row.
+  if constexpr (kSource != kCachedKeys)
+    if (sampled_select_applies(L, k) && sampled_select_emit<kThreads>(cluster, sm, n_local, start, chunk, k, fetch, out))
+      return;
+
   // Pass 0 histogram (digit key >> 21) while the slice is read once from global memory; every
   // thread runs the same trip count (hist_add4 is warp-collective).
   for (int i = tid; i < kBins; i += kThreads) s.hist[0][i] = 0;
@@ -148,7 +158,6 @@ __global__ void __launch_bounds__(kThreads, kMaxCtasPerSm) topk_translate_kernel
   }
 
   asm volatile("cp.async.wait_all;\n" ::: "memory");  // the select's barriers publish the page ids
-  const SelectSmem<kThreads> sm{s.hist[0], s.hist[1], s.slice, bits, s.cand, pages, &s.x};
   cluster_select_emit<kThreads, kMaxCluster>(cluster, sm, n_local, start, chunk, k, fetch, out);
 }
 
