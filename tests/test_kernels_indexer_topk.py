@@ -295,6 +295,8 @@ TOPK_CASES = [
     ("sampled_alias_zero_64x128k", 64, 131072, [131072 - 3 * i for i in range(64)], "alias_zero", 2048, {}),
     # ... and a tied threshold seen in the sample: one sweep marks above / tied
     ("sampled_levels_64x128k", 64, 131072, "rand", "levels", 2048, {}),
+    # ... and a sample whose 22-bit threshold bin holds many values past the cap (the full select)
+    ("sampled_narrower_40x128k", 40, 131072, [131072] * 40, "narrower", 2048, {}),
 ]
 
 
