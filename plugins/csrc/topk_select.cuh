@@ -766,8 +766,9 @@ constexpr int kSampleEstCap = kCandCap * 7 / 8;   // candidates the sample may p
 
 // Whether a row of L keys (cluster-uniform) may take the sampled path: k large enough for a
 // stable sample quantile, 1.5 k candidates within the cap, and a row much longer than k.
+__host__ __device__ constexpr bool sampled_path_possible(const int k) { return k >= 512 && 3 * k / 2 <= kSampleEstCap; }
 __device__ __forceinline__ bool sampled_select_applies(const int L, const int k) {
-  return k >= 512 && 3 * k / 2 <= kSampleEstCap && L >= 16 * k;
+  return sampled_path_possible(k) && L >= 16 * k;
 }
 
 // The k (< L) largest keys of the row -> out, as cluster_select_emit, or false (cluster-uniform,

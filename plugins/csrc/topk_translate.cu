@@ -177,7 +177,7 @@ struct Plan {
 // on an SM compete for its issue slots; 2026-11-30 H200 runs), so the widest C (a power of two
 // up to 16) with rows * C <= SMs, at least 1. The slice is cached in shared memory when it fits.
 // DSA_TOPK_CLUSTER=C forces the cluster size (benchmarks, experiments).
-Plan make_plan(int64_t rows, int max_len, bool aligned) {
+Plan make_plan(int64_t rows, int max_len, int k, bool aligned) {
   constexpr size_t kSmemPerSm = 227 * 1024;
   static const int forced = [] {
     const char* e = getenv("DSA_TOPK_CLUSTER");
@@ -194,7 +194,19 @@ Plan make_plan(int64_t rows, int max_len, bool aligned) {
   if (c == 1 && !fits(1) && rows <= 2 * sms) c = 2;
   if (forced) c = forced;
   const int chunk = chunk_of(c);
-  const bool cached = fits(c);  // the cached kernel reads rows as vectors
+  // Slices of >= 16K keys over clusters of 4 or 8 CTAs: the sampled select reading the slice
+  // once from global memory beats caching it (H200, uncached / cached µs: 32 x 128K at C = 4
+  // 25.9 / 36.0, indexer-like rows 26.1 / 44.9; 16 x 128K, C = 8, 22.6 / 28.1; 32 x 64K, C = 4,
+  // 21.8 / 27.0). Elsewhere caching wins: 8 x 128K (C = 16) 24.1 / 18.0, 64 x 64K (C = 2) 23.4 /
+  // 20.5, 128 x 32K (C = 1) 23.0 / 20.0, 32 x 32K (C = 4, slices of 8K) in the decode chain 69.0 /
+  // 63.6. DSA_TOPK_CACHE=0 / 1 forces it either way (experiments).
+  static const int cache_mode = [] {
+    const char* e = getenv("DSA_TOPK_CACHE");
+    return e && (e[0] == '0' || e[0] == '1') ? e[0] - '0' : -1;
+  }();
+  const bool prefer_sampled = (c == 4 || c == 8) && chunk >= 16384 && sampled_path_possible(k) &&
+                              (int64_t)max_len >= 16 * (int64_t)k;
+  const bool cached = fits(c) && (cache_mode == -1 ? !prefer_sampled : cache_mode == 1);  // the cached kernel reads rows as vectors
   return Plan{c, chunk, cached ? kCachedKeys : (aligned ? kAlignedRows : kUnalignedRows), smem_bytes(chunk, cached)};
 }
 
@@ -259,7 +271,7 @@ extern "C" int dsa_launch_topk_translate(const DsaTopkTranslateParams* p, cudaSt
   const int max_len = (int)width;
   // 16-byte aligned rows: every vector of a row lies inside it (the stride is a multiple of 4).
   const bool aligned = (reinterpret_cast<uintptr_t>(p->logits) & 15) == 0 && p->logits_stride % 4 == 0;
-  const Plan plan = make_plan(p->rows, max_len > 0 ? max_len : 1, aligned);
+  const Plan plan = make_plan(p->rows, max_len > 0 ? max_len : 1, p->k, aligned);
   DSA_CHECK_SUPPORTED(plan.smem <= 227 * 1024,
                       "topk_translate: rows of %d positions need %zu B of shared memory per CTA at cluster size %d "
                       "(the select's bitmaps grow with the slice; max 232448)",
