@@ -175,7 +175,8 @@ struct Plan {
 
 // Cluster size: one CTA per SM is fastest (the select is issue- and latency-bound, and two CTAs
 // on an SM compete for its issue slots; 2026-11-30 H200 runs), so the widest C (a power of two
-// up to 16) with rows * C <= SMs, at least 1. The slice is cached in shared memory when it fits.
+// up to 16) with rows * C <= SMs, at least 1. The slice is cached in shared memory when it fits,
+// unless the sampled select is faster for the shape (below).
 // DSA_TOPK_CLUSTER=C forces the cluster size (benchmarks, experiments).
 Plan make_plan(int64_t rows, int max_len, int k, bool aligned) {
   constexpr size_t kSmemPerSm = 227 * 1024;
