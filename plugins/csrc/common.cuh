@@ -104,6 +104,25 @@ __device__ __forceinline__ void dsa_pdl_wait() {
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 }
+// L2 cache policies for the .L2::cache_hint forms of global loads and cp.async (sm_80+).
+// kL2EvictFirst marks what a kernel reads once (a decode's key pages, a top-k's score rows): its
+// lines are the first replaced when later lines need room, so a stream does not push out what
+// stays in L2 (the logits the next kernel reads, other kernels' data, dirty lines whose write-back
+// would share DRAM with the stream).
+// The value is what createpolicy.fractional.L2::evict_first (fraction 1.0) produces on sm_90
+// (ptxas folds the createpolicy to this constant). Kernels take it as a parameter: made in the
+// kernel by createpolicy, ptxas 13.0 can drop the createpolicy in front of cp.async and leave the
+// LDGSTS reading an unwritten descriptor register (illegal instruction on the H200;
+// triton-lang/triton#11660 and IST-DASLab/marlin#44 report the same).
+constexpr uint64_t kL2EvictFirst = 0x12F0000000000000ull;
+// A read-only 16-byte load under an L2 policy (non-coherent path, as __ldg).
+__device__ __forceinline__ float4 ldg_f4_policy(const float4* ptr, uint64_t policy) {
+  float4 v;
+  asm volatile("ld.global.nc.L2::cache_hint.v4.f32 {%0, %1, %2, %3}, [%4], %5;\n"
+               : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+               : "l"(ptr), "l"(policy));
+  return v;
+}
 static inline cudaLaunchAttribute dsa_pdl_attr() {
   cudaLaunchAttribute a = {};
   a.id = cudaLaunchAttributeProgrammaticStreamSerialization;

@@ -42,7 +42,7 @@ struct Fp8Shape {
 
 template <int H, int TT>
 __global__ void __launch_bounds__(kThreads, (Fp8Shape<H, TT>::kMinCtasPerSm))
-    indexer_logits_fp8_kernel(const DsaIndexerLogitsParams p, const int pages_per_cta) {
+    indexer_logits_fp8_kernel(const DsaIndexerLogitsParams p, const int pages_per_cta, const uint64_t l2_policy) {
   // (4 tokens per CTA, N = 256, fit 2 CTAs per SM and took 2265 us on the prefill shape against
   // 2163 for pairs at 3 CTAs per SM: fewer warps to hide the wgmma and shared-memory latency.)
   static_assert(TT == 1 || TT == 2, "one or two tokens per CTA");
@@ -102,7 +102,11 @@ __global__ void __launch_bounds__(kThreads, (Fp8Shape<H, TT>::kMinCtasPerSm))
   float* const out_row = p.logits + (t0 + tok) * p.logits_stride + p_begin * DSA_PAGE_SIZE + row;
   const int visible = pick(seq_len) - (p_begin * DSA_PAGE_SIZE + row);
 
-  const PageRing pr = make_page_ring(stages, p.pool, tid);
+  // TT = 1 (copies with a cache policy): the ring as one warpgroup's of a CTA of several. tid /
+  // kWgThreads is 0, but ptxas then does not treat the ring's shared address as CTA-uniform; where
+  // it does, ptxas 13.0 addresses the copies by a uniform register and leaves the LDGSTS's
+  // descriptor register unwritten (illegal instruction on the H200).
+  const PageRing pr = make_page_ring(TT == 1 ? stages + (tid / kWgThreads) * kStages : stages, p.pool, tid, l2_policy);
   // Page ids of the pass, 32 at a time in the lanes of every warp: ids_cur for issue indices
   // [32m, 32m + 32), ids_next for the following 32 (already on its way).
   const int32_t* ids_row = nullptr;
@@ -124,7 +128,7 @@ __global__ void __launch_bounds__(kThreads, (Fp8Shape<H, TT>::kMinCtasPerSm))
         ids_next = i + 32 + lane < n ? ids_row[i + 32 + lane] : 0;
       }
       const int page = __shfl_sync(0xffffffffu, ids_cur, i & 31);
-      ring_issue(pr, i % kStages, page);
+      ring_issue<TT == 1>(pr, i % kStages, page);
     }
     cp_async_commit();
   };
@@ -277,8 +281,9 @@ int launch_fp8(const DsaIndexerLogitsParams& p, cudaStream_t stream) {
   DSA_CHECK_SUPPORTED(splits <= 65535, "indexer_logits: max_pages=%d too large (page splits %lld > 65535)",
                       p.max_pages, (long long)splits);
   const dim3 grid((unsigned)groups, (unsigned)splits);
+  // Decode reads each page once: evict-first (pairs copy without a policy, ring_issue<false>).
   DSA_CUDA_CHECK(dsa_launch_pdl(indexer_logits_fp8_kernel<H, TT>, grid, dim3(kThreads), Shape::kSmem, stream, p,
-                                (int)ppc));
+                                (int)ppc, kL2EvictFirst));
   return DSA_OK;
 }
 

@@ -149,17 +149,19 @@ constexpr uint32_t kStageBytes = sizeof(Stage);
 // This thread's slots as addresses: its chunk 0 and scale in stage 0 of its warpgroup's ring
 // (shared), and its first key chunk and scale in page 0 of the pool (global). A page's copies then
 // cost one multiply-add for the page address; the other chunks are immediate offsets.
+// policy: the L2 policy of ring_issue<true>'s copies.
 struct PageRing {
   uint32_t key_smem, scale_smem;
   const uint8_t* key_g;
   const uint8_t* scale_g;
+  uint64_t policy;
 };
-__device__ __forceinline__ PageRing make_page_ring(Stage* ring, const void* pool, int wtid) {
+__device__ __forceinline__ PageRing make_page_ring(Stage* ring, const void* pool, int wtid, uint64_t policy) {
   const int lane = wtid & 31, c = lane & 3, r0 = 16 * (wtid >> 5) + (lane >> 2);
   const uint8_t* g = static_cast<const uint8_t*>(pool);
   return PageRing{static_cast<uint32_t>(__cvta_generic_to_shared(&ring[0].keys[0][wtid])),
                   static_cast<uint32_t>(__cvta_generic_to_shared(&ring[0].scale[wtid])),
-                  g + r0 * DSA_INDEX_DIM + 16 * c, g + kIndexKeyBytes + 4 * ((c & 1) ? r0 + 8 : r0)};
+                  g + r0 * DSA_INDEX_DIM + 16 * c, g + kIndexKeyBytes + 4 * ((c & 1) ? r0 + 8 : r0), policy};
 }
 
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
@@ -172,19 +174,34 @@ __device__ __forceinline__ void cp_async_wait() {
 // prefetch-size hint makes each L2 miss fetch the whole 128-byte line, not only the sectors of the
 // request (the lanes of a copy cover 64 bytes of each of 8 rows): H200, decode 128K B = 128
 // 583 -> 560 us, B = 32 154 -> 149 (.L2::256B: 566 / 150; no hint 583 / 154; profiler spans).
+// kPolicy: the copies carry r.policy (decode: kL2EvictFirst, each page is read once); without it
+// they take the default priority (token pairs re-read a request's pages for its other pairs).
+template <bool kPolicy>
 __device__ __forceinline__ void ring_issue(const PageRing& r, int stage, int page) {
   const int64_t off = (int64_t)page * DSA_INDEX_PAGE_BYTES;
   const uint8_t* k = r.key_g + off;
   const uint32_t s = r.key_smem + stage * kStageBytes;
+  const uint32_t ss = r.scale_smem + stage * kStageBytes;
   constexpr uint32_t kChunk = kWgThreads * 16;  // bytes between a thread's chunks in a stage
-  asm volatile(
-      "cp.async.cg.shared.global.L2::128B [%0], [%1], 16;\n"
-      "cp.async.cg.shared.global.L2::128B [%2], [%3], 16;\n"
-      "cp.async.cg.shared.global.L2::128B [%4], [%5], 16;\n"
-      "cp.async.cg.shared.global.L2::128B [%6], [%7], 16;\n"
-      "cp.async.ca.shared.global.L2::128B [%8], [%9], 4;\n" ::"r"(s),
-      "l"(k), "r"(s + kChunk), "l"(k + 64), "r"(s + 2 * kChunk), "l"(k + 8 * DSA_INDEX_DIM), "r"(s + 3 * kChunk),
-      "l"(k + 8 * DSA_INDEX_DIM + 64), "r"(r.scale_smem + stage * kStageBytes), "l"(r.scale_g + off));
+  if constexpr (kPolicy) {
+    asm volatile(
+        "cp.async.cg.shared.global.L2::cache_hint.L2::128B [%0], [%1], 16, %10;\n"
+        "cp.async.cg.shared.global.L2::cache_hint.L2::128B [%2], [%3], 16, %10;\n"
+        "cp.async.cg.shared.global.L2::cache_hint.L2::128B [%4], [%5], 16, %10;\n"
+        "cp.async.cg.shared.global.L2::cache_hint.L2::128B [%6], [%7], 16, %10;\n"
+        "cp.async.ca.shared.global.L2::cache_hint.L2::128B [%8], [%9], 4, %10;\n" ::"r"(s),
+        "l"(k), "r"(s + kChunk), "l"(k + 64), "r"(s + 2 * kChunk), "l"(k + 8 * DSA_INDEX_DIM), "r"(s + 3 * kChunk),
+        "l"(k + 8 * DSA_INDEX_DIM + 64), "r"(ss), "l"(r.scale_g + off), "l"(r.policy));
+  } else {
+    asm volatile(
+        "cp.async.cg.shared.global.L2::128B [%0], [%1], 16;\n"
+        "cp.async.cg.shared.global.L2::128B [%2], [%3], 16;\n"
+        "cp.async.cg.shared.global.L2::128B [%4], [%5], 16;\n"
+        "cp.async.cg.shared.global.L2::128B [%6], [%7], 16;\n"
+        "cp.async.ca.shared.global.L2::128B [%8], [%9], 4;\n" ::"r"(s),
+        "l"(k), "r"(s + kChunk), "l"(k + 64), "r"(s + 2 * kChunk), "l"(k + 8 * DSA_INDEX_DIM), "r"(s + 3 * kChunk),
+        "l"(k + 8 * DSA_INDEX_DIM + 64), "r"(ss), "l"(r.scale_g + off));
+  }
 }
 // This thread's fragment of the page in ring stage `stage` (after its cp.async group completed).
 __device__ __forceinline__ PageFrag ring_read(const PageRing& r, int stage) {

@@ -96,7 +96,7 @@ struct FusedLayout {
 
 template <int H, int W>
 __global__ void __launch_bounds__(kWgThreads * W, 4 / W)
-    indexer_topk_fused_kernel(const DsaIndexerTopkParams p, const int64_t token0, const int ppc) {
+    indexer_topk_fused_kernel(const DsaIndexerTopkParams p, const int64_t token0, const int ppc, const uint64_t l2_policy) {
   dsa_pdl_wait();
   constexpr int kThreads = kWgThreads * W;
   cg::cluster_group cluster = cg::this_cluster();
@@ -133,10 +133,10 @@ __global__ void __launch_bounds__(kWgThreads * W, 4 / W)
   __syncthreads();
 
   // Warpgroup wg scores pages wg, wg + W, ... of the slice: its li-th page is wg + li * W.
-  const PageRing pr = make_page_ring(ring, p.pool, wtid);
+  const PageRing pr = make_page_ring(ring, p.pool, wtid, l2_policy);
   const int n_mine = n_pages > wg ? (n_pages - wg + W - 1) / W : 0;
   auto issue = [&](int li) {  // page li -> stage li % kStages (always commits a group)
-    if (li < n_mine) ring_issue(pr, li % kStages, s_pages[wg + li * W]);
+    if (li < n_mine) ring_issue<true>(pr, li % kStages, s_pages[wg + li * W]);
     cp_async_commit();
   };
 #pragma unroll
@@ -432,7 +432,8 @@ int launch_fused_shape(const DsaIndexerTopkParams& p, const Launch& l, cudaStrea
   attr[1] = dsa_pdl_attr();
   cfg.attrs = attr;
   cfg.numAttrs = 2;
-  DSA_CUDA_CHECK(cudaLaunchKernelEx(&cfg, indexer_topk_fused_kernel<H, W>, p, l.token0, l.shape.ppc));
+  DSA_CUDA_CHECK(cudaLaunchKernelEx(&cfg, indexer_topk_fused_kernel<H, W>, p, l.token0, l.shape.ppc,
+                                    kL2EvictFirst));  // each page is read once
   return DSA_OK;
 }
 

@@ -51,7 +51,7 @@ enum Source { kCachedKeys, kAlignedRows, kUnalignedRows };
 
 template <Source kSource>
 __global__ void __launch_bounds__(kThreads, kMaxCtasPerSm) topk_translate_kernel(const DsaTopkTranslateParams p, const int chunk,
-                                                                  const int max_len) {
+                                                                  const int max_len, const uint64_t l2_policy) {
   dsa_pdl_wait();
   cg::cluster_group cluster = cg::this_cluster();
   const int C = (int)cluster.num_blocks();
@@ -90,7 +90,7 @@ __global__ void __launch_bounds__(kThreads, kMaxCtasPerSm) topk_translate_kernel
   auto fetch_global = [&](int v) -> uint4 {
     const int e0 = 4 * v;
     if constexpr (kSource != kUnalignedRows) {  // rows 16-byte aligned: the vector is inside the row
-      const float4 f = __ldg(reinterpret_cast<const float4*>(src) + v);
+      const float4 f = ldg_f4_policy(reinterpret_cast<const float4*>(src) + v, l2_policy);
       return make_uint4(order_key(f.x), order_key(f.y), order_key(f.z), order_key(f.w));
     } else {
       uint4 r;
@@ -128,7 +128,8 @@ __global__ void __launch_bounds__(kThreads, kMaxCtasPerSm) topk_translate_kernel
     auto issue = [&](int m) {  // thread's m-th vector, m * kThreads + tid
       const int v = m * kThreads + tid;
       if (m < n_it && v < nvec)
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem_addr(keys + v)), "l"(src4 + v) : "memory");
+        asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2;\n" ::"r"(smem_addr(keys + v)),
+                     "l"(src4 + v), "l"(l2_policy) : "memory");
       asm volatile("cp.async.commit_group;\n" ::: "memory");
     };
 #pragma unroll
@@ -238,7 +239,8 @@ int launch(const DsaTopkTranslateParams& p, const Plan& plan, int max_len, cudaS
   attr[1] = dsa_pdl_attr();
   cfg.attrs = attr;
   cfg.numAttrs = 2;
-  DSA_CUDA_CHECK(cudaLaunchKernelEx(&cfg, topk_translate_kernel<kSource>, p, plan.chunk, max_len));
+  DSA_CUDA_CHECK(cudaLaunchKernelEx(&cfg, topk_translate_kernel<kSource>, p, plan.chunk, max_len,
+                                    kL2EvictFirst));  // the scores are read once (twice or more by the full select)
   return DSA_OK;
 }
 
