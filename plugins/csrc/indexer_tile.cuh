@@ -170,6 +170,13 @@ __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
+// The five copies of ring_issue; H: a cache-hint qualifier, P: its policy operand (%10).
+#define DSA_RING_COPIES(H, P)                                        \
+  "cp.async.cg.shared.global" H ".L2::128B [%0], [%1], 16" P ";\n"   \
+  "cp.async.cg.shared.global" H ".L2::128B [%2], [%3], 16" P ";\n"   \
+  "cp.async.cg.shared.global" H ".L2::128B [%4], [%5], 16" P ";\n"   \
+  "cp.async.cg.shared.global" H ".L2::128B [%6], [%7], 16" P ";\n"   \
+  "cp.async.ca.shared.global" H ".L2::128B [%8], [%9], 4" P ";\n"
 // This thread's chunks of pool page `page` -> ring stage `stage` (not committed). The .L2::128B
 // prefetch-size hint makes each L2 miss fetch the whole 128-byte line, not only the sectors of the
 // request (the lanes of a copy cover 64 bytes of each of 8 rows): H200, decode 128K B = 128
@@ -181,28 +188,19 @@ __device__ __forceinline__ void ring_issue(const PageRing& r, int stage, int pag
   const int64_t off = (int64_t)page * DSA_INDEX_PAGE_BYTES;
   const uint8_t* k = r.key_g + off;
   const uint32_t s = r.key_smem + stage * kStageBytes;
-  const uint32_t ss = r.scale_smem + stage * kStageBytes;
   constexpr uint32_t kChunk = kWgThreads * 16;  // bytes between a thread's chunks in a stage
-  if constexpr (kPolicy) {
-    asm volatile(
-        "cp.async.cg.shared.global.L2::cache_hint.L2::128B [%0], [%1], 16, %10;\n"
-        "cp.async.cg.shared.global.L2::cache_hint.L2::128B [%2], [%3], 16, %10;\n"
-        "cp.async.cg.shared.global.L2::cache_hint.L2::128B [%4], [%5], 16, %10;\n"
-        "cp.async.cg.shared.global.L2::cache_hint.L2::128B [%6], [%7], 16, %10;\n"
-        "cp.async.ca.shared.global.L2::cache_hint.L2::128B [%8], [%9], 4, %10;\n" ::"r"(s),
-        "l"(k), "r"(s + kChunk), "l"(k + 64), "r"(s + 2 * kChunk), "l"(k + 8 * DSA_INDEX_DIM), "r"(s + 3 * kChunk),
-        "l"(k + 8 * DSA_INDEX_DIM + 64), "r"(ss), "l"(r.scale_g + off), "l"(r.policy));
-  } else {
-    asm volatile(
-        "cp.async.cg.shared.global.L2::128B [%0], [%1], 16;\n"
-        "cp.async.cg.shared.global.L2::128B [%2], [%3], 16;\n"
-        "cp.async.cg.shared.global.L2::128B [%4], [%5], 16;\n"
-        "cp.async.cg.shared.global.L2::128B [%6], [%7], 16;\n"
-        "cp.async.ca.shared.global.L2::128B [%8], [%9], 4;\n" ::"r"(s),
-        "l"(k), "r"(s + kChunk), "l"(k + 64), "r"(s + 2 * kChunk), "l"(k + 8 * DSA_INDEX_DIM), "r"(s + 3 * kChunk),
-        "l"(k + 8 * DSA_INDEX_DIM + 64), "r"(ss), "l"(r.scale_g + off));
-  }
+#define DSA_RING_OPERANDS                                                                              \
+  "r"(s), "l"(k), "r"(s + kChunk), "l"(k + 64), "r"(s + 2 * kChunk), "l"(k + 8 * DSA_INDEX_DIM),       \
+      "r"(s + 3 * kChunk), "l"(k + 8 * DSA_INDEX_DIM + 64), "r"(r.scale_smem + stage * kStageBytes), \
+      "l"(r.scale_g + off), "l"(r.policy)
+  if constexpr (kPolicy)
+    asm volatile(DSA_RING_COPIES(".L2::cache_hint", ", %10")::DSA_RING_OPERANDS);
+  else
+    asm volatile(DSA_RING_COPIES("", "")::DSA_RING_OPERANDS);
+#undef DSA_RING_OPERANDS
 }
+#undef DSA_RING_COPIES
+
 // This thread's fragment of the page in ring stage `stage` (after its cp.async group completed).
 __device__ __forceinline__ PageFrag ring_read(const PageRing& r, int stage) {
   constexpr uint32_t kChunk = kWgThreads * 16;
