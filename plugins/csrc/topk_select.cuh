@@ -304,6 +304,20 @@ __device__ __forceinline__ uint32_t key_high(uint32_t key, int shift) {
   return (uint32_t)((uint64_t)key >> shift);
 }
 
+// Lanes of one warp, lane r < C holding CTA r's `value` (0 past C): the inclusive sum over lanes
+// <= r (kSuffix: lanes >= r).
+template <bool kSuffix>
+__device__ __forceinline__ uint32_t warp_cluster_scan(const uint32_t value) {
+  const int lane = threadIdx.x & 31;
+  uint32_t incl = value;
+#pragma unroll
+  for (int off = 1; off < 32; off <<= 1) {
+    const uint32_t v = kSuffix ? __shfl_down_sync(0xffffffffu, incl, off) : __shfl_up_sync(0xffffffffu, incl, off);
+    if (kSuffix ? lane + off < 32 : lane >= off) incl += v;
+  }
+  return incl;
+}
+
 // After the cluster barrier that publishes every CTA's x.ncand: x.cand_start[r] = the candidates
 // of the CTAs before r, and the row's total (returned). Block-wide.
 template <int kThreads>
@@ -311,12 +325,7 @@ __device__ __forceinline__ uint32_t candidate_offsets(const int C, SelectScratch
   const int tid = threadIdx.x;
   if (tid < 32) {
     const uint32_t n = tid < C ? ld_cluster_u32(cluster_addr(&x.ncand, tid)) : 0u;
-    uint32_t incl = n;
-#pragma unroll
-    for (int off = 1; off < 32; off <<= 1) {
-      const uint32_t v = __shfl_up_sync(0xffffffffu, incl, off);
-      if (tid >= off) incl += v;
-    }
+    const uint32_t incl = warp_cluster_scan<false>(n);
     if (tid <= C && tid <= kMaxClusterSlots) x.cand_start[tid] = incl - n;  // tid == C: the total
   }
   __syncthreads();
@@ -639,12 +648,7 @@ __device__ __forceinline__ void cluster_select_emit(cg::cluster_group& cluster, 
     // the C totals), then the bin inside it.
     if (tid < 32) {
       const uint32_t tot = tid < C ? ld_cluster_u32(cluster_addr(&x.slice_total, tid)) : 0u;
-      uint32_t sx = tot;
-#pragma unroll
-      for (int off = 1; off < 32; off <<= 1) {
-        const uint32_t v = __shfl_down_sync(0xffffffffu, sx, off);
-        if (tid + off < 32) sx += v;
-      }
+      const uint32_t sx = warp_cluster_scan<true>(tot);
       if (tid < C && sx - tot < k_rem && k_rem <= sx) {
         x.sel_slice = tid;
         x.sel_above = sx - tot;
