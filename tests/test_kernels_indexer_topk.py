@@ -247,6 +247,10 @@ def make_topk_inputs(rows, width, lengths, kind, seed, batch=3, stride_pad=0, co
     elif kind == "narrower":  # only the low 10 bits vary: the first two digits are shared by every key
         bits = torch.randint(0, 1024, (rows, width), generator=g, device=DEV, dtype=torch.int32) + 0x3F800000
         logits.copy_(bits.view(torch.float32))
+    elif kind == "negative":  # every score < 0: the sampled sweep's threshold is a negative float
+        logits.copy_(-logits.abs() - 1.0)
+    elif kind == "mixed_sign":  # ~1% of the scores > 0 (fewer than k), the rest <= -0.0: a threshold just below zero
+        logits.copy_(torch.where(logits > 2.33, logits - 2.33, -(logits.abs())))
     elif kind in ("alias_high", "alias_low", "alias_zero"):  # the sampled threshold's positions (32 of
         # every 512) hold the row's top (the sample puts the threshold too high: fewer than k
         # candidates), its bottom (too low: candidates past the cap) or exact zeros (a tied value
@@ -297,6 +301,10 @@ TOPK_CASES = [
     ("sampled_levels_64x128k", 64, 131072, "rand", "levels", 2048, {}),
     # ... and a sample whose 22-bit threshold bin holds many values past the cap (the full select)
     ("sampled_narrower_40x128k", 40, 131072, [131072] * 40, "narrower", 2048, {}),
+    # ... and thresholds below zero (the sweep compares float bits with the magnitude flipped) or
+    # at it (-0.0, +0.0 and negative keys around it)
+    ("sampled_negative_64x128k", 64, 131072, "rand", "negative", 2048, {}),
+    ("sampled_mixed_sign_64x128k", 64, 131072, "rand", "mixed_sign", 2048, {}),
 ]
 
 

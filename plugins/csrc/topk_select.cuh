@@ -59,10 +59,17 @@ constexpr int kCandBytes = kCandCap * 8;
 // The emit stages a CTA's selected positions in the candidate buffer: k is at most this.
 constexpr int kMaxTopk = kCandBytes / 4;
 
-__device__ __forceinline__ uint32_t order_key(float x) {
-  const uint32_t b = __float_as_uint(x);
+__device__ __forceinline__ uint32_t order_key_bits(uint32_t b) {
   return b ^ (static_cast<uint32_t>(static_cast<int32_t>(b) >> 31) | 0x80000000u);  // negative: ~b; else b | sign
 }
+__device__ __forceinline__ uint32_t order_key(float x) { return order_key_bits(__float_as_uint(x)); }
+__device__ __forceinline__ uint4 order_keys(const uint4 b) {
+  return make_uint4(order_key_bits(b.x), order_key_bits(b.y), order_key_bits(b.z), order_key_bits(b.w));
+}
+template <bool B>
+struct BoolConst {
+  static constexpr bool value = B;
+};
 
 // Distributed shared memory with 32-bit shared::cluster addresses (mapa), cheaper in registers
 // than the 64-bit generic pointers of cg::map_shared_rank. The loads clobber memory: they stay
@@ -304,10 +311,10 @@ __device__ __forceinline__ uint32_t key_high(uint32_t key, int shift) {
   return (uint32_t)((uint64_t)key >> shift);
 }
 
-// Lanes of one warp, lane r < C holding CTA r's `value` (0 past C): the inclusive sum over lanes
-// <= r (kSuffix: lanes >= r).
-template <bool kSuffix>
-__device__ __forceinline__ uint32_t warp_cluster_scan(const uint32_t value) {
+// The inclusive sum of `value` over lanes <= this one (kSuffix: lanes >= this one). E.g. lane r < C
+// holding CTA r's value (0 past C). Warp-collective.
+template <bool kSuffix = false>
+__device__ __forceinline__ uint32_t warp_inclusive_scan(const uint32_t value) {
   const int lane = threadIdx.x & 31;
   uint32_t incl = value;
 #pragma unroll
@@ -325,7 +332,7 @@ __device__ __forceinline__ uint32_t candidate_offsets(const int C, SelectScratch
   const int tid = threadIdx.x;
   if (tid < 32) {
     const uint32_t n = tid < C ? ld_cluster_u32(cluster_addr(&x.ncand, tid)) : 0u;
-    const uint32_t incl = warp_cluster_scan<false>(n);
+    const uint32_t incl = warp_inclusive_scan(n);
     if (tid <= C && tid <= kMaxClusterSlots) x.cand_start[tid] = incl - n;  // tid == C: the total
   }
   __syncthreads();
@@ -648,7 +655,7 @@ __device__ __forceinline__ void cluster_select_emit(cg::cluster_group& cluster, 
     // the C totals), then the bin inside it.
     if (tid < 32) {
       const uint32_t tot = tid < C ? ld_cluster_u32(cluster_addr(&x.slice_total, tid)) : 0u;
-      const uint32_t sx = warp_cluster_scan<true>(tot);
+      const uint32_t sx = warp_inclusive_scan<true>(tot);
       if (tid < C && sx - tot < k_rem && k_rem <= sx) {
         x.sel_slice = tid;
         x.sel_above = sx - tot;
@@ -777,12 +784,13 @@ __device__ __forceinline__ bool sampled_select_applies(const int L, const int k)
 
 // The k (< L) largest keys of the row -> out, as cluster_select_emit, or false (cluster-uniform,
 // nothing written, every CTA past a cluster barrier) when the sample does not settle the row.
-// s.hist0 is not used; fetch(v) as for cluster_select_emit. Any cp.async of the calling thread
-// (the slice's page ids) completes inside.
-template <int kThreads, class Fetch>
+// s.hist0 is not used; fetch_raw(v) returns the float bits of local positions [4v, 4v + 4) (as
+// fetch of cluster_select_emit, before order_key). Any cp.async of the calling thread (the slice's
+// page ids) completes inside.
+template <int kThreads, class FetchRaw>
 __device__ __forceinline__ bool sampled_select_emit(cg::cluster_group& cluster, const SelectSmem<kThreads> s,
                                                     const int n_local, const int start, const int chunk,
-                                                    const int k, Fetch fetch, const RowOutput& out) {
+                                                    const int k, FetchRaw fetch_raw, const RowOutput& out) {
   constexpr int kSampleVecs = kThreads * kSamplePer / 4;  // cluster-wide sampled vectors, at most
   constexpr int kVecsPer = kSamplePer / 4;
   const int C = (int)cluster.num_blocks();
@@ -802,6 +810,7 @@ __device__ __forceinline__ bool sampled_select_emit(cg::cluster_group& cluster, 
     x.kmax = 0u;
   }
   auto sample_vec = [&](int i) { return i / kSampleRun * (kSampleRun * stride) + i % kSampleRun; };
+  auto fetch = [&](int v) { return order_keys(fetch_raw(v)); };
 
   // ---- 1. sample (positions past n_local as key 0, the smallest), all loads in flight at once
   if (nvec > 0) {
@@ -884,14 +893,14 @@ __device__ __forceinline__ bool sampled_select_emit(cg::cluster_group& cluster, 
   // head to shared memory meanwhile (cp.async) was slower either way it was tried: issued with the
   // sample, it queued the other CTAs' samples behind it in DRAM (64 x 128K 29.0 -> 33.0 us);
   // issued after (S), 29.1 -> 29.9.
+  // visit(q, v0) gets a batch: q[u] holds the float bits of vector v0 + u * kThreads + tid.
+  constexpr int kUnroll = 8;
   auto sweep = [&](auto&& visit) {
-    constexpr int kUnroll = 8;
     for (int v0 = 0; v0 < nvec; v0 += kUnroll * kThreads) {
       uint4 q[kUnroll];
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) q[u] = fetch(min(v0 + u * kThreads + tid, nvec - 1));
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) visit(q[u], v0 + u * kThreads + tid);
+      for (int u = 0; u < kUnroll; ++u) q[u] = fetch_raw(min(v0 + u * kThreads + tid, nvec - 1));
+      visit(q, v0);
     }
     asm volatile("cp.async.wait_all;\n" ::: "memory");  // the caller's page ids
   };
@@ -911,19 +920,24 @@ __device__ __forceinline__ bool sampled_select_emit(cg::cluster_group& cluster, 
     zero_bitmaps();
     __syncthreads();
     const uint32_t sel_s = smem_addr(sel_bits), tie_s = smem_addr(tie_bits);
-    sweep([&](const uint4 q, const int v) {
-      const uint32_t valid = (1u << min(max(n_local - 4 * v, 0), 4)) - 1u;
-      const uint32_t kk[4] = {q.x, q.y, q.z, q.w};
-      uint32_t gm = 0, em = 0;
+    sweep([&](const uint4 (&q)[kUnroll], const int v0) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) gm |= (uint32_t)(kk[e] > t_key) << e;
-      asm volatile("" : "+r"(gm));  // packed before the == compares (see the sweep of cluster_select_emit)
+      for (int u = 0; u < kUnroll; ++u) {
+        const int v = v0 + u * kThreads + tid;
+        const uint32_t valid = (1u << min(max(n_local - 4 * v, 0), 4)) - 1u;
+        const uint4 key = order_keys(q[u]);
+        const uint32_t kk[4] = {key.x, key.y, key.z, key.w};
+        uint32_t gm = 0, em = 0;
 #pragma unroll
-      for (int e = 0; e < 4; ++e) em |= (uint32_t)(kk[e] == t_key) << e;
-      gm &= valid;
-      em &= valid;
-      red_or_shared_if(gm != 0, sel_s + 4 * (v >> 3), gm << (4 * (v & 7)));
-      red_or_shared_if(em != 0, tie_s + 4 * (v >> 3), em << (4 * (v & 7)));
+        for (int e = 0; e < 4; ++e) gm |= (uint32_t)(kk[e] > t_key) << e;
+        asm volatile("" : "+r"(gm));  // packed before the == compares (see the sweep of cluster_select_emit)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) em |= (uint32_t)(kk[e] == t_key) << e;
+        gm &= valid;
+        em &= valid;
+        red_or_shared_if(gm != 0, sel_s + 4 * (v >> 3), gm << (4 * (v & 7)));
+        red_or_shared_if(em != 0, tie_s + 4 * (v >> 3), em << (4 * (v & 7)));
+      }
     });
     __syncthreads();  // the bitmaps are complete
     const EmitCounts c = emit_counts<kThreads, true>(cluster, s, n_local, chunk);
@@ -933,23 +947,53 @@ __device__ __forceinline__ bool sampled_select_emit(cg::cluster_group& cluster, 
     return true;
   }
 
-  // ---- 2. keys >= t_low -> candidates (one shared atomic per thread; past the cap only counted)
-  sweep([&](const uint4 q, const int v) {
-    const uint32_t kk[4] = {q.x, q.y, q.z, q.w};
-    uint32_t em = 0;
+  // ---- 2. keys >= t_low -> candidates (past the cap only counted), a batch at a time: per key
+  // one compare of its float bits b, key(b) >= t_low <=> sortable(b) >= thr (signed), sortable(b)
+  // = b with the magnitude bits flipped when negative, and for t_low >= key(+0.0) (thr >= 0)
+  // simply b >= thr. Then one shared atomic per warp and batch (lane 31 adds the warp's total, a
+  // scan gives each lane its slots). With an atomic per thread and vector on the one counter and
+  // the keys converted on load, H200: 64 / 128 x 128K 28.8 / 41.5 -> 27.3 / 38.1-38.6 us, 32 x
+  // 128K (clusters of 4) 25.9 -> 24.4 (docs/2026-11-30-topk-one-sweep.md, ninth session).
+  const int32_t thr = (int32_t)(t_low ^ 0x80000000u);
+  auto collect = [&](auto nonneg, const uint4 (&q)[kUnroll], const int v0) {
+    const bool whole = v0 + kUnroll * kThreads <= n_local / 4;  // CTA-uniform: no vector to mask
+    uint32_t ems = 0;  // bit 4u + e: key e of vector u is a candidate
 #pragma unroll
-    for (int e = 0; e < 4; ++e) em |= (uint32_t)(kk[e] >= t_low) << e;
-    em &= (1u << min(max(n_local - 4 * v, 0), 4)) - 1u;
-    if (em) {
-      uint32_t slot = atomicAdd(&x.ncand, (uint32_t)__popc(em));
+    for (int u = 0; u < kUnroll; ++u) {
+      const uint32_t kk[4] = {q[u].x, q[u].y, q[u].z, q[u].w};
+      uint32_t em = 0;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int32_t b = (int32_t)kk[e];
+        const int32_t sortable = decltype(nonneg)::value ? b : (b ^ ((b >> 31) & 0x7FFFFFFF));
+        em |= (uint32_t)(sortable >= thr) << e;
+      }
+      if (!whole) em &= (1u << min(max(n_local - 4 * (v0 + u * kThreads + tid), 0), 4)) - 1u;
+      ems |= em << (4 * u);
+    }
+    const uint32_t n = (uint32_t)__popc(ems);
+    const uint32_t incl = warp_inclusive_scan(n);
+    const uint32_t total = __shfl_sync(0xffffffffu, incl, 31);
+    if (total == 0) return;  // warp-uniform
+    uint32_t base = 0;
+    if (lane == 31) base = atomicAdd(&x.ncand, total);
+    uint32_t slot = __shfl_sync(0xffffffffu, base, 31) + incl - n;
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const uint32_t kk[4] = {q[u].x, q[u].y, q[u].z, q[u].w};
+      const uint32_t pos = (uint32_t)(start + 4 * (v0 + u * kThreads + tid));
 #pragma unroll
       for (int e = 0; e < 4; ++e)
-        if (em & (1u << e)) {
-          if (slot < (uint32_t)kCandCap) s.cand[slot] = make_uint2(kk[e], (uint32_t)(start + 4 * v + e));
+        if (ems & (1u << (4 * u + e))) {
+          if (slot < (uint32_t)kCandCap) s.cand[slot] = make_uint2(order_key_bits(kk[e]), pos + e);
           ++slot;
         }
     }
-  });
+  };
+  if (thr >= 0)
+    sweep([&](const uint4 (&q)[kUnroll], const int v0) { collect(BoolConst<true>{}, q, v0); });
+  else
+    sweep([&](const uint4 (&q)[kUnroll], const int v0) { collect(BoolConst<false>{}, q, v0); });
   cluster_wait();  // (pairs the arrive after the sample reads)
   cluster.sync();  // (C) every CTA's candidates are written
   const uint32_t total = candidate_offsets<kThreads>(C, x);

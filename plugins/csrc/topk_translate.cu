@@ -86,21 +86,22 @@ __global__ void __launch_bounds__(kThreads, kMaxCtasPerSm) topk_translate_kernel
   const int nvec = (n_local + 3) / 4;
   const float* src = p.logits + row * p.logits_stride + start;
 
-  // Keys of local positions [4v, 4v + 4); past n_local: anything (the select masks them).
-  auto fetch_global = [&](int v) -> uint4 {
+  // Float bits of local positions [4v, 4v + 4); past n_local: anything (the select masks them).
+  auto fetch_raw = [&](int v) -> uint4 {
     const int e0 = 4 * v;
     if constexpr (kSource != kUnalignedRows) {  // rows 16-byte aligned: the vector is inside the row
       const float4 f = ldg_f4_policy(reinterpret_cast<const float4*>(src) + v, l2_policy);
-      return make_uint4(order_key(f.x), order_key(f.y), order_key(f.z), order_key(f.w));
+      return make_uint4(__float_as_uint(f.x), __float_as_uint(f.y), __float_as_uint(f.z), __float_as_uint(f.w));
     } else {
       uint4 r;
-      r.x = e0 + 0 < n_local ? order_key(src[e0 + 0]) : 0u;
-      r.y = e0 + 1 < n_local ? order_key(src[e0 + 1]) : 0u;
-      r.z = e0 + 2 < n_local ? order_key(src[e0 + 2]) : 0u;
-      r.w = e0 + 3 < n_local ? order_key(src[e0 + 3]) : 0u;
+      r.x = e0 + 0 < n_local ? __float_as_uint(src[e0 + 0]) : 0u;
+      r.y = e0 + 1 < n_local ? __float_as_uint(src[e0 + 1]) : 0u;
+      r.z = e0 + 2 < n_local ? __float_as_uint(src[e0 + 2]) : 0u;
+      r.w = e0 + 3 < n_local ? __float_as_uint(src[e0 + 3]) : 0u;
       return r;
     }
   };
+  auto fetch_global = [&](int v) { return order_keys(fetch_raw(v)); };  // keys
   auto fetch = [&](int v) -> uint4 {
     if constexpr (kSource == kCachedKeys) return keys[v];
     else return fetch_global(v);
@@ -110,7 +111,8 @@ __global__ void __launch_bounds__(kThreads, kMaxCtasPerSm) topk_translate_kernel
   // A slice read from global memory: a sampled threshold and one read (topk_select.cuh), unless
   // the sample does not settle the row.
   if constexpr (kSource != kCachedKeys)
-    if (sampled_select_applies(L, k) && sampled_select_emit<kThreads>(cluster, sm, n_local, start, chunk, k, fetch, out))
+    if (sampled_select_applies(L, k) &&
+        sampled_select_emit<kThreads>(cluster, sm, n_local, start, chunk, k, fetch_raw, out))
       return;
 
   // Pass 0 histogram (digit key >> 21) while the slice is read once from global memory; every
