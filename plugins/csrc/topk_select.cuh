@@ -892,7 +892,8 @@ __device__ __forceinline__ bool sampled_select_emit(cg::cluster_group& cluster, 
   // flight per thread (clamped to a real vector; visit ignores v >= nvec). Copying the slice's
   // head to shared memory meanwhile (cp.async) was slower either way it was tried: issued with the
   // sample, it queued the other CTAs' samples behind it in DRAM (64 x 128K 29.0 -> 33.0 us);
-  // issued after (S), 29.1 -> 29.9.
+  // issued after (S), 29.1 -> 29.9. A ring of bulk copies (TMA) of the whole slice did no better
+  // (docs/2026-11-30-topk-one-sweep.md, ninth session).
   // visit(q, v0) gets a batch: q[u] holds the float bits of vector v0 + u * kThreads + tid.
   constexpr int kUnroll = 8;
   auto sweep = [&](auto&& visit) {
