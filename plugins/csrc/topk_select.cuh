@@ -952,9 +952,10 @@ __device__ __forceinline__ bool sampled_select_emit(cg::cluster_group& cluster, 
   // one compare of its float bits b, key(b) >= t_low <=> sortable(b) >= thr (signed), sortable(b)
   // = b with the magnitude bits flipped when negative, and for t_low >= key(+0.0) (thr >= 0)
   // simply b >= thr. Then one shared atomic per warp and batch (lane 31 adds the warp's total, a
-  // scan gives each lane its slots). With an atomic per thread and vector on the one counter and
-  // the keys converted on load, H200: 64 / 128 x 128K 28.8 / 41.5 -> 27.3 / 38.1-38.6 us, 32 x
-  // 128K (clusters of 4) 25.9 -> 24.4 (docs/2026-11-30-topk-one-sweep.md, ninth session).
+  // scan gives each lane its slots). The sweep was bound by these visits, not by its loads; from
+  // an atomic per thread and vector on the one counter and keys converted on load, H200: 64 / 128
+  // x 128K 28.8 / 41.5 -> 27.3 / 38.1-38.6 us, 32 x 128K (clusters of 4) 25.9 -> 24.4
+  // (docs/2026-11-30-topk-one-sweep.md, ninth session).
   const int32_t thr = (int32_t)(t_low ^ 0x80000000u);
   auto collect = [&](auto nonneg, const uint4 (&q)[kUnroll], const int v0) {
     const bool whole = v0 + kUnroll * kThreads <= n_local / 4;  // CTA-uniform: no vector to mask
