@@ -180,18 +180,27 @@ struct RunHist {
   }
 };
 
+// The inclusive sum of `value` over lanes <= this one (kSuffix: lanes >= this one). E.g. lane r < C
+// holding CTA r's value (0 past C). Warp-collective.
+template <bool kSuffix = false>
+__device__ __forceinline__ uint32_t warp_inclusive_scan(const uint32_t value) {
+  const int lane = threadIdx.x & 31;
+  uint32_t incl = value;
+#pragma unroll
+  for (int off = 1; off < 32; off <<= 1) {
+    const uint32_t v = kSuffix ? __shfl_down_sync(0xffffffffu, incl, off) : __shfl_up_sync(0xffffffffu, incl, off);
+    if (kSuffix ? lane + off < 32 : lane >= off) incl += v;
+  }
+  return incl;
+}
+
 // Inclusive suffix sum over the block (thread t gets sum of s over threads >= t).
 template <int kThreads>
 __device__ __forceinline__ uint32_t block_suffix_sum(uint32_t s, uint32_t* buf) {
   constexpr int kWarps = kThreads / 32;
   static_assert(kWarps <= 32, "one warp total per lane");
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  uint32_t x = s;
-#pragma unroll
-  for (int off = 1; off < 32; off <<= 1) {
-    const uint32_t v = __shfl_down_sync(0xffffffffu, x, off);
-    if (lane + off < 32) x += v;
-  }
+  uint32_t x = warp_inclusive_scan<true>(s);
   if (lane == 0) buf[warp] = x;
   __syncthreads();
   // the warps above this one: lane w holds warp w's total, one warp reduction (not a loop of
@@ -309,20 +318,6 @@ __device__ __forceinline__ void local_threshold(const uint32_t* hist, const int 
 // Keys match a prefix when key >> shift == prefix; shift 32: every key matches.
 __device__ __forceinline__ uint32_t key_high(uint32_t key, int shift) {
   return (uint32_t)((uint64_t)key >> shift);
-}
-
-// The inclusive sum of `value` over lanes <= this one (kSuffix: lanes >= this one). E.g. lane r < C
-// holding CTA r's value (0 past C). Warp-collective.
-template <bool kSuffix = false>
-__device__ __forceinline__ uint32_t warp_inclusive_scan(const uint32_t value) {
-  const int lane = threadIdx.x & 31;
-  uint32_t incl = value;
-#pragma unroll
-  for (int off = 1; off < 32; off <<= 1) {
-    const uint32_t v = kSuffix ? __shfl_down_sync(0xffffffffu, incl, off) : __shfl_up_sync(0xffffffffu, incl, off);
-    if (kSuffix ? lane + off < 32 : lane >= off) incl += v;
-  }
-  return incl;
 }
 
 // After the cluster barrier that publishes every CTA's x.ncand: x.cand_start[r] = the candidates
