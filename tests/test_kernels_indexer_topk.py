@@ -88,8 +88,10 @@ LOGIT_CASES = [
     # name, heads, batch, tokens per request, max_pages, seq_lens (None = causal tail), pool pages
     ("decode_ragged_h64", 64, 4, 1, 10, [1, 64, 65, 640], 64),
     ("decode_ragged_h32", 32, 4, 1, 10, [640, 3, 128, 0], 64),
-    ("prefill_2req_h64", 64, 2, 35, 6, None, 40),  # token pairs, one pair across the two requests
-    ("prefill_3req_odd_h32", 32, 3, 7, 9, None, 40),  # 21 tokens: the last pair is one token
+    ("prefill_2req_h64", 64, 2, 35, 6, None, 40),  # 8-token groups, one across the two requests
+    ("prefill_3req_odd_h32", 32, 3, 7, 9, None, 40),  # 21 tokens (7 per request): token pairs
+    ("prefill_3req_groups_h32", 32, 3, 19, 9, None, 40),  # 57 tokens: groups across requests, a 1-token group
+    ("prefill_long_h64", 64, 1, 300, 200, None, 220),  # pages split over CTAs, the ring wraps
     ("mtp2_decode_h64", 64, 5, 2, 45, [2500, 2501, 64, 65, 1, 2, 0, 1, 2879, 2880], 300),
     ("decode_odd_pages_h64", 64, 3, 1, 33, [2100, 1, 33 * 64], 200),
     ("decode_128k_h64", 64, 2, 1, 2048, [131072, 131072 - 77], 4200),
@@ -163,7 +165,7 @@ def test_indexer_logits_fp8(K, case):
 
 GROUP_CASES = [  # request of each token (consecutive tokens of a request); 2 tokens per CTA
     ("mtp2", [0, 0, 1, 1, 2, 2, 3, 3, 4]),  # the last pair is one token
-    ("prefill_3req", [0] * 9 + [1] * 9 + [2] * 9),  # pairs across request boundaries: two passes
+    ("prefill_3req", [0] * 7 + [1] * 7 + [2] * 7),  # pairs across request boundaries: two passes
     ("ragged", [0, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3]),
 ]
 
@@ -171,9 +173,9 @@ GROUP_CASES = [  # request of each token (consecutive tokens of a request); 2 to
 @pytest.mark.parametrize("heads", [64, 32])
 @pytest.mark.parametrize("case", GROUP_CASES, ids=[c[0] for c in GROUP_CASES])
 def test_indexer_logits_token_groups_equal_single_tokens(K, heads, case):
-    """With more tokens than requests the kernel scores 2 consecutive tokens per CTA (one wgmma of
-    N = 2H; one pass per distinct request in the pair); each token's logits must be bitwise those
-    of scoring it alone (one token, one request)."""
+    """With more tokens than requests, but fewer than 8 per request, the kernel scores 2 consecutive
+    tokens per CTA (one wgmma of N = 2H; one pass per distinct request in the pair); each token's
+    logits must be bitwise those of scoring it alone (one token, one request)."""
     _, reqs = case
     batch, T = max(reqs) + 1, len(reqs)
     q, w, keys, page_table, _, _ = make_logit_inputs(heads, batch, 1, 40, [1] * batch, 200, 11)
@@ -196,6 +198,36 @@ def test_indexer_logits_token_groups_equal_single_tokens(K, heads, case):
         assert torch.equal(out[t : t + 1].view(torch.int32), one.view(torch.int32)), (
             f"{case[0]} token {t}: grouped score differs from the single-token score, max "
             f"{float((out[t] - one[0]).abs().nan_to_num(0).max()):.3g}")
+
+
+@pytest.mark.parametrize("heads", [64, 32])
+def test_indexer_logits_token_groups_do_not_change_scores(K, heads):
+    """With 8 or more tokens per request the kernel scores 8 consecutive tokens per CTA (K summed in
+    another order than the decode path's, so not bitwise its scores); a token's scores must not
+    depend on which group, position in the group or pass (request boundary) it lands in: the same
+    tokens shifted by 1..7 give bitwise the same rows."""
+    reqs = [0] * 29 + [1] * 40 + [2] * 3
+    T, max_pages = len(reqs), 40
+    q, w, keys, page_table, _, _ = make_logit_inputs(heads, 3, 1, max_pages, [1] * 3, 200, 21)
+    g = gen(22)
+    q = torch.randn(T, heads, 128, generator=g, device=DEV).to(torch.bfloat16)
+    w = torch.randn(T, heads, generator=g, device=DEV) * heads**-0.5
+    req_idx = torch.tensor(reqs, device=DEV, dtype=torch.int32)
+    seq = torch.randint(1, max_pages * 64 + 1, (T,), generator=g, device=DEV).to(torch.int32)
+    seq[10] = 70  # a short token: its pages end before its neighbours'
+    pool = R.build_index_pool(keys)
+    q8, qs = quant_q(q)
+    w_folded = (w * qs).contiguous()
+    out = torch.full((T, max_pages * 64), float("nan"), device=DEV)
+    K.indexer_logits(q8, w_folded, pool, page_table, req_idx, seq, out=out)
+    ref = R.indexer_logits(q8.float(), w_folded, R.dequant_index_pool(pool), page_table, req_idx, seq)
+    assert_inf_mask(out, ref, "groups")
+    for shift in (1, 3, 5, 7):
+        sub = K.indexer_logits(q8[shift:], w_folded[shift:], pool, page_table, req_idx[shift:], seq[shift:])
+        same = (out[shift:].view(torch.int32) == sub.view(torch.int32)).all(1)
+        assert bool(same.all()), (
+            f"shift {shift}: tokens {(~same).nonzero().flatten()[:8].add(shift).tolist()} score differently, max "
+            f"{float((out[shift:] - sub).abs().nan_to_num(0).max()):.3g}")
 
 
 @pytest.mark.parametrize("heads", [64, 32])

@@ -27,6 +27,7 @@
 
 #include "common.cuh"
 #include "indexer_tile.cuh"
+#include "sparse_mla_ptx.cuh"
 
 namespace {
 
@@ -226,6 +227,240 @@ __global__ void __launch_bounds__(DSA_PAGE_SIZE) indexer_logits_bf16_kernel(cons
   out[col] = col < seq_len ? r : -CUDART_INF_F;
 }
 
+// ---------------------------------------------------------------- token groups (prefill)
+// With many tokens per request (prefill: the launcher's choice when num_tokens >= 8 * requests),
+// one CTA scores 8 consecutive tokens against a run of pages, warp-specialised:
+//   warpgroup 0 (its warp 0): copies page after page (keys in the 128-byte swizzled layout, the
+//     64 scales beside them) into a ring of kGroupStages stages with cp.async, announcing each
+//     stage on its `full` mbarrier;
+//   warpgroups 1 and 2: 4 tokens each. Per page, wgmma m64n(2H)k32 with both operands in shared
+//     memory (A = the page's 64 keys, B = two tokens' q, natural K order) for tokens {0, 1} and
+//     {2, 3} as two commit groups: the head reduction of the first pair (reduce_page_group, the
+//     pair kernel's arithmetic) runs while the tensor core does the second.
+// Shared-memory traffic per page and 8 tokens: the copy writes 8.25 KB, each consumer's wgmmas
+// read the keys twice and q of its 4 tokens once (2 x (16 + 4H/8 KB)): 88 KB per 8.4 MFLOP
+// (H = 64), against 130 KB for the pair kernel's 4 page-pairs (cp.async + LDS of the keys and q
+// as B per pair). The scores differ from the decode path's in the last bits (K is summed in
+// natural order here, in indexer_tile.cuh's permuted order there); a token's scores do not depend
+// on which group or position it lands in.
+constexpr int kGroupTokens = 8;    // tokens per CTA, 4 per consumer warpgroup
+constexpr int kGroupStages = 8;    // page ring
+constexpr int kGroupThreads = 3 * kWgThreads;
+constexpr uint32_t kGroupProducerRegs = 40, kGroupConsumerRegs = 232;  // 128*40 + 256*232 <= 65536
+
+template <int N>
+struct WgmmaSS;  // D[64 x N] (+)= A[64 x 32] (shared) * B[N x 32]^T (shared), e4m3, fp32 accumulate
+template <>
+struct WgmmaSS<64> {
+  __device__ __forceinline__ static void run(float (&d)[32], uint64_t desc_a, uint64_t desc_b, int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31"
+        "}, %32, %33, p, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+  }
+};
+
+template <>
+struct WgmmaSS<128> {
+  __device__ __forceinline__ static void run(float (&d)[64], uint64_t desc_a, uint64_t desc_b, int scale_d) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 {"
+        "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "
+        "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, "
+        "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, "
+        "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+        "}, %64, %65, p, 1, 1;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+          "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+          "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+          "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+          "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+          "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+          "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+          "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "l"(desc_a), "l"(desc_b), "r"(scale_d));
+  }
+};
+
+template <int H>
+struct GroupSmem {
+  uint8_t q[kGroupTokens][H * DSA_INDEX_DIM];        // row h of token u: 128 B, 128-byte swizzle
+  uint8_t keys[kGroupStages][kIndexKeyBytes];       // 64 rows of 128 B, 128-byte swizzle
+  float scales[kGroupStages][DSA_PAGE_SIZE];
+  uint64_t full[kGroupStages], empty[kGroupStages];
+  int seq[kGroupTokens];      // visible keys of each token (0: not a token)
+  int leader[kGroupTokens];   // the pass that stores the token (its request's first token in the group), -1: none
+  int pass_req[kGroupTokens], pass_pages[kGroupTokens];  // pass u: pages [p_begin, p_begin + n) of request req
+};
+
+template <int H>
+__global__ void __launch_bounds__(kGroupThreads, 1)
+    indexer_logits_group_kernel(const DsaIndexerLogitsParams p, const int pages_per_cta) {
+  namespace ptx = dsa_sparse_mla;
+  extern __shared__ uint8_t smem_raw[];
+  GroupSmem<H>& sm = *reinterpret_cast<GroupSmem<H>*>(align_smem_1024(smem_raw));
+  const int tid = threadIdx.x, lane = tid & 31;
+  const int64_t t0 = (int64_t)blockIdx.x * kGroupTokens;
+  const int max_cols = p.max_pages * DSA_PAGE_SIZE;
+  const int p_begin = blockIdx.y * pages_per_cta;
+  const int p_end = min(p_begin + pages_per_cta, p.max_pages);
+  dsa_pdl_wait();
+  if (tid == 0) {
+#pragma unroll
+    for (int s = 0; s < kGroupStages; ++s) {
+      ptx::mbar_init(&sm.full[s], 32);  // the copying warp's lanes (cp.async arrivals)
+      ptx::mbar_init(&sm.empty[s], 8);  // the consumers' warps
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    // The tokens, their passes (one per distinct request of the group, usually one).
+    int req[kGroupTokens], page_end[kGroupTokens];
+    for (int u = 0; u < kGroupTokens; ++u) {
+      const bool valid = t0 + u < p.num_tokens;
+      sm.seq[u] = valid ? min(max(p.seq_lens[t0 + u], 0), max_cols) : 0;
+      req[u] = valid ? p.req_idx[t0 + u] : -1;
+      page_end[u] = max(p_begin, min(p_end, (sm.seq[u] + DSA_PAGE_SIZE - 1) / DSA_PAGE_SIZE));
+      int lead = valid ? u : -1;
+      for (int w = u - 1; w >= 0 && valid; --w)
+        if (req[w] == req[u]) lead = w;
+      sm.leader[u] = lead;
+      sm.pass_req[u] = req[u];
+      sm.pass_pages[u] = 0;
+    }
+    for (int u = 0; u < kGroupTokens; ++u)
+      if (sm.leader[u] >= 0) sm.pass_pages[sm.leader[u]] = max(sm.pass_pages[sm.leader[u]], page_end[u] - p_begin);
+  }
+  __syncthreads();
+
+  if (tid < kWgThreads) {  // ---- producer
+    ptx::setmaxnreg_dec<kGroupProducerRegs>();
+    if (tid >= 32) return;
+    const uint8_t* pool = static_cast<const uint8_t*>(p.pool);
+    // lane's chunk k of a page: 16 bytes at 512 k + 16 lane, key row 4 k + lane / 8, column chunk lane % 8
+    const uint32_t dst0 = ((lane >> 3) * 128) + (((lane & 7) ^ (lane >> 3)) << 4);
+    const uint32_t dst1 = ((4 + (lane >> 3)) * 128) + (((lane & 7) ^ (4 + (lane >> 3))) << 4);
+    int j = 0;
+    for (int ps = 0; ps < kGroupTokens; ++ps) {
+      const int n = sm.pass_pages[ps];
+      if (n <= 0) continue;
+      const int32_t* ids = p.page_table + (int64_t)sm.pass_req[ps] * p.max_pages + p_begin;
+      int ids_cur = lane < n ? ids[lane] : 0, ids_next = lane + 32 < n ? ids[lane + 32] : 0;
+      for (int i = 0; i < n; ++i, ++j) {
+        if ((i & 31) == 0 && i > 0) {
+          ids_cur = ids_next;
+          ids_next = i + 32 + lane < n ? ids[i + 32 + lane] : 0;
+        }
+        const int page = __shfl_sync(0xffffffffu, ids_cur, i & 31);
+        const int st = j % kGroupStages;
+        if (j >= kGroupStages) ptx::mbar_wait(&sm.empty[st], (j / kGroupStages - 1) & 1);
+        const uint8_t* src = pool + (int64_t)page * DSA_INDEX_PAGE_BYTES + 16 * lane;
+        const uint32_t keys = ptx::smem_u32(sm.keys[st]);
+#pragma unroll
+        for (int k = 0; k < 16; k += 2) {  // rows 4k.. (row & 7 = lane / 8) and 4k + 4.. (4 + lane / 8)
+          ptx::cp_async_16(keys + 512 * k + dst0, src + 512 * k, 16);
+          ptx::cp_async_16(keys + 512 * k + dst1, src + 512 * (k + 1), 16);
+        }
+        if (lane < 16) ptx::cp_async_16(ptx::smem_u32(sm.scales[st]) + 16 * lane, src + kIndexKeyBytes, 16);
+        ptx::mbar_arrive_cp_async(&sm.full[st]);
+      }
+    }
+    return;
+  }
+
+  // ---- consumers
+  ptx::setmaxnreg_inc<kGroupConsumerRegs>();
+  const int c = tid / kWgThreads - 1, wtid = tid % kWgThreads;
+  const int u0 = 4 * c;  // this warpgroup's first token in the group
+  {  // q of the 4 tokens -> shared (zeros for missing tokens); head weights below
+    constexpr int kChunksPerToken = H * DSA_INDEX_DIM / 16;
+    const uint8_t* qg = static_cast<const uint8_t*>(p.q);
+#pragma unroll 4
+    for (int id = wtid; id < 4 * kChunksPerToken; id += kWgThreads) {
+      const int u = id / kChunksPerToken, rem = id % kChunksPerToken, h = rem >> 3, ch = rem & 7;
+      const bool valid = sm.leader[u0 + u] >= 0;
+      const uint8_t* src = valid ? qg + ((t0 + u0 + u) * H * DSA_INDEX_DIM + 16 * rem) : qg;
+      ptx::cp_async_16(ptx::smem_u32(sm.q[u0 + u]) + h * 128 + ((ch ^ (h & 7)) << 4), src, valid ? 16 : 0);
+    }
+    asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::: "memory");
+  }
+  // -inf past each token's last visible page (inside this CTA's pages)
+  for (int u = u0; u < u0 + 4; ++u) {
+    if (sm.leader[u] < 0) continue;
+    const int from = max(p_begin, min(p_end, (sm.seq[u] + DSA_PAGE_SIZE - 1) / DSA_PAGE_SIZE)) * DSA_PAGE_SIZE;
+    float* out = p.logits + (t0 + u) * p.logits_stride;
+    for (int col = from + wtid; col < p_end * DSA_PAGE_SIZE; col += kWgThreads) out[col] = -CUDART_INF_F;
+  }
+  float wr[2][2][H / 8][2];  // [pair][token of the pair]
+#pragma unroll
+  for (int hf = 0; hf < 2; ++hf)
+#pragma unroll
+    for (int v = 0; v < 2; ++v) {
+      const int u = u0 + 2 * hf + v;
+      if (sm.leader[u] >= 0) {
+        load_head_weights<H>(wr[hf][v], p.weights + (t0 + u) * H, wtid);
+      } else {
+#pragma unroll
+        for (int jh = 0; jh < H / 8; ++jh) wr[hf][v][jh][0] = wr[hf][v][jh][1] = 0.f;
+      }
+    }
+  ptx::fence_proxy_async();  // q (cp.async, generic proxy) -> wgmma
+  ptx::named_bar_sync(1 + c, kWgThreads);
+
+  // This lane's outputs: token u0 + 2 hf + tok of pair hf, key row `row` of each page.
+  const int tok = (lane & 2) >> 1, row = score_row(wtid);
+  int seq[2], lead[2];
+  float* out[2];
+#pragma unroll
+  for (int hf = 0; hf < 2; ++hf) {
+    const int u = u0 + 2 * hf + tok;
+    seq[hf] = sm.seq[u] - row;  // page i's score is visible where 64 * (p_begin + i) < seq
+    lead[hf] = sm.leader[u];
+    out[hf] = p.logits + (t0 + u) * p.logits_stride + row;
+  }
+  const uint64_t qdesc0 = make_desc_sw128(sm.q[u0]), qdesc1 = make_desc_sw128(sm.q[u0 + 2]);
+  float d0[H], d1[H];  // m64n(2H): pair 0, pair 1
+  int j = 0;
+  for (int ps = 0; ps < kGroupTokens; ++ps) {
+    const int n = sm.pass_pages[ps];
+    if (n <= 0) continue;
+    const bool st0 = lead[0] == ps, st1 = lead[1] == ps;
+    for (int i = 0; i < n; ++i, ++j) {
+      const int st = j % kGroupStages;
+      ptx::mbar_wait(&sm.full[st], (j / kGroupStages) & 1);
+#ifndef DSA_GROUP_NO_FENCE
+      ptx::fence_proxy_async();
+#endif
+      const float scale = sm.scales[st][row];
+      const uint64_t kdesc = make_desc_sw128(sm.keys[st]);
+#pragma unroll
+      for (int e = 0; e < H; ++e) fence_operand(d0[e]), fence_operand(d1[e]);
+      wgmma_fence();
+#pragma unroll
+      for (int k = 0; k < 4; ++k) WgmmaSS<2 * H>::run(d0, kdesc + 2 * k, qdesc0 + 2 * k, k);
+      wgmma_commit();
+#pragma unroll
+      for (int k = 0; k < 4; ++k) WgmmaSS<2 * H>::run(d1, kdesc + 2 * k, qdesc1 + 2 * k, k);
+      wgmma_commit();
+      wgmma_wait<1>();
+      float s0[1], s1[1];
+      reduce_page_group<H, 2>(d0, scale, wr[0], wtid, s0);
+      wgmma_wait<0>();
+      if (lane == 0) ptx::mbar_arrive(&sm.empty[st]);  // this warp no longer reads the stage
+      reduce_page_group<H, 2>(d1, scale, wr[1], wtid, s1);
+      const int col = (p_begin + i) * DSA_PAGE_SIZE;
+      if (st0) out[0][col] = col < seq[0] ? s0[0] : -CUDART_INF_F;
+      if (st1) out[1][col] = col < seq[1] ? s1[0] : -CUDART_INF_F;
+    }
+  }
+}
+
 int num_sms() {
   int dev = 0, sms = 132;
   if (cudaGetDevice(&dev) == cudaSuccess) cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev);
@@ -287,12 +522,34 @@ int launch_fp8(const DsaIndexerLogitsParams& p, cudaStream_t stream) {
   return DSA_OK;
 }
 
+// Token groups (prefill): one CTA per SM (registers), pages per CTA by the waves cost model.
+template <int H>
+int launch_group(const DsaIndexerLogitsParams& p, cudaStream_t stream) {
+  constexpr size_t kSmem = sizeof(GroupSmem<H>) + 1024;  // + slack to align to 1024
+  static bool configured = false;
+  if (!configured) {
+    DSA_CUDA_CHECK(cudaFuncSetAttribute(indexer_logits_group_kernel<H>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        (int)kSmem));
+    configured = true;
+  }
+  const int64_t groups = dsa_ceil_div(p.num_tokens, kGroupTokens);
+  const int64_t ppc = pages_per_cta<kGroupTokens>(groups, p.max_pages, num_sms());
+  const int64_t splits = dsa_ceil_div(p.max_pages, ppc);
+  DSA_CHECK_SUPPORTED(splits <= 65535, "indexer_logits: max_pages=%d too large (page splits %lld > 65535)",
+                      p.max_pages, (long long)splits);
+  DSA_CUDA_CHECK(dsa_launch_pdl(indexer_logits_group_kernel<H>, dim3((unsigned)groups, (unsigned)splits),
+                                dim3(kGroupThreads), kSmem, stream, p, (int)ppc));
+  return DSA_OK;
+}
+
 template <int H, int kFormat>
 int launch(const DsaIndexerLogitsParams& p, cudaStream_t stream) {
   if constexpr (kFormat == DSA_CACHE_FP8) {
-    // Pairs of tokens when there are more tokens than requests (some tokens share a request).
+    // Groups of 8 tokens when requests have 8 or more tokens on average (prefill), pairs when
+    // there are more tokens than requests (MTP decode), one token per CTA otherwise (decode).
+    const bool groups = p.num_requests > 0 && p.num_tokens >= (int64_t)kGroupTokens * p.num_requests;
     const bool pairs = p.num_requests > 0 && p.num_tokens > p.num_requests;
-    const int rc = pairs ? launch_fp8<H, 2>(p, stream) : launch_fp8<H, 1>(p, stream);
+    const int rc = groups ? launch_group<H>(p, stream) : pairs ? launch_fp8<H, 2>(p, stream) : launch_fp8<H, 1>(p, stream);
     if (rc != DSA_OK) return rc;
   } else {
     DSA_CHECK_SUPPORTED(p.max_pages <= 65535, "indexer_logits: bf16 mode max_pages=%d > 65535", p.max_pages);
