@@ -11,14 +11,16 @@
 // block barriers) and reads them back as its A fragment. The page ids come 32 at a time (a warp's
 // lanes), the next 32 loaded while the current ones are used.
 //   TT = 1 (decode: one token per request): memory bound, 132 B of key per 2*H*128 FLOP.
-//   TT = 2 (the launcher's choice when there are more tokens than requests: prefill, MTP decode):
-//     consecutive tokens of one request share every page they both see, so a page is copied and
-//     read once per pair (one token per CTA re-read each page per token: prefill 4096 x 32K took
-//     2858 us, pairs 2163). What bounds the pair kernel is shared memory (ncu: L1 76%, tensor
-//     pipe 49%, issue 47%): per page-pair the wgmma reads q, 16 KB, as its B operand, and the
-//     keys pass through shared memory twice (cp.async in, LDS out: 16.5 KB), ~260 cycles at 128
-//     B/cycle against 256 cycles of QGMMA. A pair whose tokens belong to different requests (a
-//     request boundary) runs two passes, one per token.
+//   TT = 2 (the launcher's choice when there are more tokens than requests but fewer than 8 per
+//     request: MTP decode, short prefills): consecutive tokens of one request share every page
+//     they both see, so a page is copied and read once per pair (one token per CTA re-read each
+//     page per token: prefill 4096 x 32K took 2858 us, pairs 2163). What bounds the pair kernel is
+//     shared memory (ncu: L1 76%, tensor pipe 49%, issue 47%): per page-pair the wgmma reads q,
+//     16 KB, as its B operand, and the keys pass through shared memory twice (cp.async in, LDS
+//     out: 16.5 KB), ~260 cycles at 128 B/cycle against 256 cycles of QGMMA. A pair whose tokens
+//     belong to different requests (a request boundary) runs two passes, one per token.
+// Token groups (8 or more tokens per request on average: prefill): indexer_logits_group_kernel
+// below, 8 tokens per CTA, warp-specialised, both wgmma operands in shared memory.
 //
 // bf16 path (exact mode): plain CUDA cores, one thread per key, fp32 accumulation. Correctness
 // only.
@@ -237,12 +239,17 @@ __global__ void __launch_bounds__(DSA_PAGE_SIZE) indexer_logits_bf16_kernel(cons
 //     memory (A = the page's 64 keys, B = two tokens' q, natural K order) for tokens {0, 1} and
 //     {2, 3} as two commit groups: the head reduction of the first pair (reduce_page_group, the
 //     pair kernel's arithmetic) runs while the tensor core does the second.
-// Shared-memory traffic per page and 8 tokens: the copy writes 8.25 KB, each consumer's wgmmas
-// read the keys twice and q of its 4 tokens once (2 x (16 + 4H/8 KB)): 88 KB per 8.4 MFLOP
-// (H = 64), against 130 KB for the pair kernel's 4 page-pairs (cp.async + LDS of the keys and q
-// as B per pair). The scores differ from the decode path's in the last bits (K is summed in
-// natural order here, in indexer_tile.cuh's permuted order there); a token's scores do not depend
-// on which group or position it lands in.
+// Shared-memory traffic per page and 8 tokens (H = 64): the copy writes 8.25 KB, each consumer's
+// wgmmas read the keys twice (16 KB) and its 4 tokens' q once (32 KB): 104 KB per 8.4 MFLOP,
+// against 130 KB for the pair kernel's 4 page-pairs (cp.async + LDS of the keys, q as B per pair).
+// H200, prefill 4096 x 32K: 2121 us with pairs, 1878 here (DeepGEMM's non-paged kernel: 1817).
+// Tried and not kept (same call): ping-pong across pages (pair 0 of page j + 1 issued before
+// pair 1 of page j is reduced, in runs of 4 or 8 pages so nothing is in flight across the loop's
+// back edge, which makes ptxas serialise every wgmma): 1900-1925 us; one m64n(4H) wgmma group
+// per page instead of two pairs: 1917 us.
+// The scores differ from the decode path's in the last bits (K is summed in natural order here, in
+// indexer_tile.cuh's permuted order there); a token's scores do not depend on which group or
+// position it lands in (tested).
 constexpr int kGroupTokens = 8;    // tokens per CTA, 4 per consumer warpgroup
 constexpr int kGroupStages = 8;    // page ring
 constexpr int kGroupThreads = 3 * kWgThreads;
@@ -433,10 +440,11 @@ __global__ void __launch_bounds__(kGroupThreads, 1)
     const bool st0 = lead[0] == ps, st1 = lead[1] == ps;
     for (int i = 0; i < n; ++i, ++j) {
       const int st = j % kGroupStages;
+      // No proxy fence between the copies' arrival and the wgmmas: cp.async wrote the stage, and
+      // FlashAttention-3's paged (non-TMA) K loads hand cp.async data to wgmma through the
+      // mbarrier alone too. A fence here (ptxas: MEMBAR.ALL.CTA, which waits for this thread's
+      // logits stores) cost 1.2%: 1878 -> 1901-1917 us on the prefill shape.
       ptx::mbar_wait(&sm.full[st], (j / kGroupStages) & 1);
-#ifndef DSA_GROUP_NO_FENCE
-      ptx::fence_proxy_async();
-#endif
       const float scale = sm.scales[st][row];
       const uint64_t kdesc = make_desc_sw128(sm.keys[st]);
 #pragma unroll
