@@ -315,7 +315,9 @@ __global__ void __launch_bounds__(kGroupThreads, 1)
   extern __shared__ uint8_t smem_raw[];
   GroupSmem<H>& sm = *reinterpret_cast<GroupSmem<H>*>(align_smem_1024(smem_raw));
   const int tid = threadIdx.x, lane = tid & 31;
-  const int64_t t0 = (int64_t)blockIdx.x * kGroupTokens;
+  // The last groups first: in a causal prefill later tokens see more pages, and the longest CTAs
+  // starting first leave the shortest for the last wave.
+  const int64_t t0 = (int64_t)(gridDim.x - 1 - blockIdx.x) * kGroupTokens;
   const int max_cols = p.max_pages * DSA_PAGE_SIZE;
   const int p_begin = blockIdx.y * pages_per_cta;
   const int p_end = min(p_begin + pages_per_cta, p.max_pages);
