@@ -34,6 +34,12 @@
 
 // Defined in errors.cu (C++ linkage, internal to the library).
 int dsa_set_error(int code, const char* fmt, ...) DSA_PRINTF_FMT(2, 3);
+// Raises `kernel`'s dynamic shared-memory limit on the current device to at least smem_bytes (and
+// allows cluster sizes over 8 if asked) unless that was done already. These are per-device
+// attributes: a process driving several GPUs sets them on each. Thread-safe, and not a stream
+// operation (safe while a CUDA graph is captured). DSA_ERR_UNSUPPORTED, naming `op`, when the
+// device's opt-in limit is smaller.
+int dsa_kernel_attributes(const char* op, const void* kernel, size_t smem_bytes, bool non_portable_clusters = false);
 
 #define DSA_CHECK_ARG(cond, ...)                                   \
   do {                                                             \

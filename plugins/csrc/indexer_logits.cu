@@ -510,10 +510,10 @@ int64_t pages_per_cta(int64_t groups, int max_pages, int64_t resident) {
 template <int H, int TT>
 int launch_fp8(const DsaIndexerLogitsParams& p, cudaStream_t stream) {
   using Shape = Fp8Shape<H, TT>;
+  const int rc = dsa_kernel_attributes("indexer_logits", (const void*)indexer_logits_fp8_kernel<H, TT>, Shape::kSmem);
+  if (rc != DSA_OK) return rc;
   static int per_sm = 0;  // resident CTAs per SM (occupancy of this instantiation)
   if (per_sm == 0) {
-    DSA_CUDA_CHECK(cudaFuncSetAttribute(indexer_logits_fp8_kernel<H, TT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        (int)Shape::kSmem));
     int n = 0;
     DSA_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, indexer_logits_fp8_kernel<H, TT>, kThreads,
                                                                  Shape::kSmem));
@@ -536,12 +536,8 @@ int launch_fp8(const DsaIndexerLogitsParams& p, cudaStream_t stream) {
 template <int H>
 int launch_group(const DsaIndexerLogitsParams& p, cudaStream_t stream) {
   constexpr size_t kSmem = sizeof(GroupSmem<H>) + 1024;  // + slack to align to 1024
-  static bool configured = false;
-  if (!configured) {
-    DSA_CUDA_CHECK(cudaFuncSetAttribute(indexer_logits_group_kernel<H>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        (int)kSmem));
-    configured = true;
-  }
+  const int rc = dsa_kernel_attributes("indexer_logits", (const void*)indexer_logits_group_kernel<H>, kSmem);
+  if (rc != DSA_OK) return rc;
   const int64_t groups = dsa_ceil_div(p.num_tokens, kGroupTokens);
   const int64_t ppc = pages_per_cta<kGroupTokens>(groups, p.max_pages, num_sms());
   const int64_t splits = dsa_ceil_div(p.max_pages, ppc);

@@ -230,8 +230,8 @@ struct DeviceInfo {
   int device = -1, sms = 0, smem_optin = 0;
 };
 
-// Host-side caches of the process, guarded by g_mutex: device attributes, the kernels configured
-// per device, and the fused shapes per (device, heads, max_pages, forced cluster / warpgroups).
+// Host-side caches of the process, guarded by g_mutex: device attributes and the fused shapes per
+// (device, heads, max_pages, forced cluster / warpgroups).
 std::mutex g_mutex;
 
 int device_info(DeviceInfo* info) {
@@ -254,18 +254,12 @@ int device_info(DeviceInfo* info) {
 }
 
 // s->active = the clusters of shape *s that can be resident at once (0: it cannot run). Sets the
-// kernel's attributes once per device (the largest dynamic shared memory, non-portable cluster
-// sizes): not stream operations, so this is safe while a CUDA graph is captured. g_mutex held.
+// kernel's attributes (the largest dynamic shared memory, non-portable cluster sizes) through
+// dsa_kernel_attributes, once per device. g_mutex held.
 int query_active_clusters(const DeviceInfo& dev, Shape* s) {
-  static std::vector<std::pair<int, void*>> configured;
   void* fn = fused_kernel(s->H, s->warpgroups);
-  bool done = false;
-  for (const auto& c : configured) done = done || (c.first == dev.device && c.second == fn);
-  if (!done) {
-    DSA_CUDA_CHECK(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, dev.smem_optin));
-    DSA_CUDA_CHECK(cudaFuncSetAttribute(fn, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
-    configured.emplace_back(dev.device, fn);
-  }
+  const int rc = dsa_kernel_attributes("indexer_topk", fn, (size_t)dev.smem_optin, true);
+  if (rc != DSA_OK) return rc;
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3((unsigned)s->cluster);
   cfg.blockDim = dim3((unsigned)(kWgThreads * s->warpgroups));

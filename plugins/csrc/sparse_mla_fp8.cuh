@@ -47,7 +47,6 @@
 #include <math.h>
 
 #include <algorithm>
-#include <atomic>
 
 #include "common.cuh"
 #include "dsa_kernels.h"
@@ -555,31 +554,12 @@ __global__ void __launch_bounds__(kThreads, 1) sparse_mla_fp8_kernel(const DsaSp
 // ---------------------------------------------------------------- host: one launch of the kernel
 constexpr size_t kSmemBytes = sizeof(Fp8Smem) + kSmemAlign;  // + room to align the base to 1024
 
-// cudaFuncSetAttribute is per device; remember which devices were configured per instantiation.
-template <int kRows, int kHeadBlocks, bool kSplit>
-int ensure_smem_attribute() {
-  static std::atomic<uint64_t> configured{0};
-  int dev = 0;
-  DSA_CUDA_CHECK(cudaGetDevice(&dev));
-  const uint64_t bit = dev < 64 ? (uint64_t{1} << dev) : 0;
-  if (bit != 0 && (configured.load(std::memory_order_relaxed) & bit)) return DSA_OK;
-  int max_optin = 0;
-  DSA_CUDA_CHECK(cudaDeviceGetAttribute(&max_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
-  DSA_CHECK_SUPPORTED(static_cast<size_t>(max_optin) >= kSmemBytes,
-                      "sparse_mla: the fp8 kernel needs %zu bytes of shared memory per block, device %d allows %d "
-                      "(sm_90 required)",
-                      kSmemBytes, dev, max_optin);
-  DSA_CUDA_CHECK(cudaFuncSetAttribute(sparse_mla_fp8_kernel<kRows, kHeadBlocks, kSplit>,
-                                      cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(kSmemBytes)));
-  configured.fetch_or(bit, std::memory_order_relaxed);
-  return DSA_OK;
-}
-
 // Work items: one per (token, head block[, chunk]), items = num_tokens * kHeadBlocks * n_splits;
 // one persistent CTA per SM (at most) runs every gridDim.x-th item.
 template <int kRows, int kHeadBlocks, bool kSplit>
 int launch_kernel(const DsaSparseMlaParams& p, const SplitPlan& plan, cudaStream_t stream) {
-  int status = ensure_smem_attribute<kRows, kHeadBlocks, kSplit>();
+  int status = dsa_kernel_attributes("sparse_mla", (const void*)sparse_mla_fp8_kernel<kRows, kHeadBlocks, kSplit>,
+                                     kSmemBytes);
   if (status != DSA_OK) return status;
   int sms = 0;
   if ((status = current_sm_count(&sms)) != DSA_OK) return status;

@@ -216,18 +216,9 @@ Plan make_plan(int64_t rows, int max_len, int k, bool aligned) {
 
 template <Source kSource>
 int launch(const DsaTopkTranslateParams& p, const Plan& plan, int max_len, cudaStream_t stream) {
-  static size_t configured_smem = 0;  // raise the opt-in limit once (not a stream operation)
-  if (plan.smem > configured_smem) {
-    DSA_CUDA_CHECK(cudaFuncSetAttribute(topk_translate_kernel<kSource>,
-                                        cudaFuncAttributeMaxDynamicSharedMemorySize, (int)plan.smem));
-    configured_smem = plan.smem;
-  }
-  static bool non_portable = false;
-  if (plan.cluster > 8 && !non_portable) {
-    DSA_CUDA_CHECK(cudaFuncSetAttribute(topk_translate_kernel<kSource>,
-                                        cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
-    non_portable = true;
-  }
+  const int rc = dsa_kernel_attributes("topk_translate", (const void*)topk_translate_kernel<kSource>, plan.smem,
+                                      plan.cluster > 8);
+  if (rc != DSA_OK) return rc;
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3((unsigned)(p.rows * plan.cluster));
   cfg.blockDim = dim3(kThreads);
