@@ -88,10 +88,11 @@ LOGIT_CASES = [
     # name, heads, batch, tokens per request, max_pages, seq_lens (None = causal tail), pool pages
     ("decode_ragged_h64", 64, 4, 1, 10, [1, 64, 65, 640], 64),
     ("decode_ragged_h32", 32, 4, 1, 10, [640, 3, 128, 0], 64),
-    ("prefill_2req_h64", 64, 2, 35, 6, None, 40),  # 8-token groups, one across the two requests
-    ("prefill_3req_odd_h32", 32, 3, 7, 9, None, 40),  # 21 tokens (7 per request): token pairs
-    ("prefill_3req_groups_h32", 32, 3, 19, 9, None, 40),  # 57 tokens: groups across requests, a 1-token group
+    ("prefill_2req_h64", 64, 2, 35, 6, None, 40),  # token pairs, one pair across the two requests
+    ("prefill_3req_odd_h32", 32, 3, 7, 9, None, 40),  # 21 tokens: the last pair is one token
+    ("prefill_3req_groups_h32", 32, 3, 67, 9, None, 40),  # 201 tokens: 8-token groups across requests, a 1-token group
     ("prefill_long_h64", 64, 1, 300, 200, None, 220),  # pages split over CTAs, the ring wraps
+    ("prefill_2k_h32", 32, 1, 2112, 80, None, 100),  # 80 pages per CTA: page ids past the first 32
     ("mtp2_decode_h64", 64, 5, 2, 45, [2500, 2501, 64, 65, 1, 2, 0, 1, 2879, 2880], 300),
     ("decode_odd_pages_h64", 64, 3, 1, 33, [2100, 1, 33 * 64], 200),
     ("decode_128k_h64", 64, 2, 1, 2048, [131072, 131072 - 77], 4200),
@@ -128,6 +129,22 @@ def assert_inf_mask(out, ref, name):
     assert not torch.isnan(out).any(), f"{name}: NaN in output (unwritten poison?) at {torch.isnan(out).nonzero()[:5].tolist()}"
 
 
+def assert_tight_tier(out, q8, w_folded, pool, page_table, req_idx, seq, name):
+    """Same dequantised fp8 inputs, float64. Bound: fp8 products are exact; the tensor core
+    accumulates in reduced-precision fp32 (~2^-13 of the running magnitude), so the error is
+    bounded by a small multiple of sum_h |w| sum_d |q_d k_d|. Returns the finite mask."""
+    kd = R.dequant_index_pool(pool)
+    ref = R.indexer_logits(q8.float(), w_folded, kd, page_table, req_idx, seq)
+    mag = R.indexer_logits(q8.float(), w_folded, kd, page_table, req_idx, seq, absolute=True)
+    assert_inf_mask(out, ref, name)
+    fin = torch.isfinite(ref)
+    err = (out.double() - ref).abs()[fin]
+    bound = (2e-3 * mag[fin] + 1e-6 * mag[fin].max()) if fin.any() else err
+    worst = (err / bound).max() if fin.any() else torch.tensor(0.0)
+    assert float(worst) <= 1.0, f"{name}: tight tier error {float(err.max()):.3g} exceeds bound (ratio {float(worst):.3g})"
+    return fin
+
+
 @pytest.mark.parametrize("case", LOGIT_CASES, ids=[c[0] for c in LOGIT_CASES])
 def test_indexer_logits_fp8(K, case):
     name, heads, batch, per_req, max_pages, seq_lens, num_pages = case
@@ -138,18 +155,7 @@ def test_indexer_logits_fp8(K, case):
     out = torch.full((q.shape[0], max_pages * 64), float("nan"), device=DEV)
     K.indexer_logits(q8, w_folded, pool, page_table, req_idx, seq, out=out)
 
-    # tight: same dequantised fp8 inputs, float64. Bound: fp8 products are exact; the tensor
-    # core accumulates in reduced-precision fp32 (~2^-13 of the running magnitude), so the
-    # error is bounded by a small multiple of sum_h |w| sum_d |q_d k_d|.
-    kd = R.dequant_index_pool(pool)
-    ref = R.indexer_logits(q8.float(), w_folded, kd, page_table, req_idx, seq)
-    mag = R.indexer_logits(q8.float(), w_folded, kd, page_table, req_idx, seq, absolute=True)
-    assert_inf_mask(out, ref, name)
-    fin = torch.isfinite(ref)
-    err = (out.double() - ref).abs()[fin]
-    bound = (2e-3 * mag[fin] + 1e-6 * mag[fin].max()) if fin.any() else err
-    worst = (err / bound).max() if fin.any() else torch.tensor(0.0)
-    assert float(worst) <= 1.0, f"{name}: tight tier error {float(err.max()):.3g} exceeds bound (ratio {float(worst):.3g})"
+    fin = assert_tight_tier(out, q8, w_folded, pool, page_table, req_idx, seq, name)
 
     # loose: unquantised bf16 q and keys; fp8 quantisation of both (3 mantissa bits) dominates.
     ref_bf16 = R.indexer_logits(q.float(), w, keys.double(), page_table, req_idx, seq)
@@ -173,7 +179,7 @@ GROUP_CASES = [  # request of each token (consecutive tokens of a request); 2 to
 @pytest.mark.parametrize("heads", [64, 32])
 @pytest.mark.parametrize("case", GROUP_CASES, ids=[c[0] for c in GROUP_CASES])
 def test_indexer_logits_token_groups_equal_single_tokens(K, heads, case):
-    """With more tokens than requests, but fewer than 8 per request, the kernel scores 2 consecutive
+    """With more tokens than requests, but fewer than 64 per request, the kernel scores 2 consecutive
     tokens per CTA (one wgmma of N = 2H; one pass per distinct request in the pair); each token's
     logits must be bitwise those of scoring it alone (one token, one request)."""
     _, reqs = case
@@ -200,15 +206,23 @@ def test_indexer_logits_token_groups_equal_single_tokens(K, heads, case):
             f"{float((out[t] - one[0]).abs().nan_to_num(0).max()):.3g}")
 
 
+TOKEN_GROUP_CASES = [  # request of each token; 64 or more tokens per request on average: 8-token groups
+    ("prefill_3req", [0] * 205 + [1] * 150 + [2] * 3),  # groups across request boundaries
+    ("mixed_step", list(range(20)) + [20] * 1400),  # decode tokens of 20 requests, then a prefill chunk
+]
+
+
 @pytest.mark.parametrize("heads", [64, 32])
-def test_indexer_logits_token_groups_do_not_change_scores(K, heads):
-    """With 8 or more tokens per request the kernel scores 8 consecutive tokens per CTA (K summed in
-    another order than the decode path's, so not bitwise its scores); a token's scores must not
-    depend on which group, position in the group or pass (request boundary) it lands in: the same
-    tokens shifted by 1..7 give bitwise the same rows."""
-    reqs = [0] * 29 + [1] * 40 + [2] * 3
-    T, max_pages = len(reqs), 40
-    q, w, keys, page_table, _, _ = make_logit_inputs(heads, 3, 1, max_pages, [1] * 3, 200, 21)
+@pytest.mark.parametrize("case", TOKEN_GROUP_CASES, ids=[c[0] for c in TOKEN_GROUP_CASES])
+def test_indexer_logits_token_groups_do_not_change_scores(K, heads, case):
+    """With 64 or more tokens per request the kernel scores 8 consecutive tokens per CTA (K summed in
+    another order than the decode path's, so not bitwise its scores; a group of decode tokens of
+    8 requests runs one pass per token). Scores within the tight tier of the reference, and a
+    token's scores must not depend on which group, position in the group or pass it lands in: the
+    same tokens shifted by 1..7 give bitwise the same rows."""
+    name, reqs = case
+    T, batch, max_pages = len(reqs), max(reqs) + 1, 40
+    q, w, keys, page_table, _, _ = make_logit_inputs(heads, batch, 1, max_pages, [1] * batch, 1000, 21)
     g = gen(22)
     q = torch.randn(T, heads, 128, generator=g, device=DEV).to(torch.bfloat16)
     w = torch.randn(T, heads, generator=g, device=DEV) * heads**-0.5
@@ -220,14 +234,14 @@ def test_indexer_logits_token_groups_do_not_change_scores(K, heads):
     w_folded = (w * qs).contiguous()
     out = torch.full((T, max_pages * 64), float("nan"), device=DEV)
     K.indexer_logits(q8, w_folded, pool, page_table, req_idx, seq, out=out)
-    ref = R.indexer_logits(q8.float(), w_folded, R.dequant_index_pool(pool), page_table, req_idx, seq)
-    assert_inf_mask(out, ref, "groups")
+    assert_tight_tier(out, q8, w_folded, pool, page_table, req_idx, seq, name)
     for shift in (1, 3, 5, 7):
+        assert T - shift >= 64 * batch  # still the 8-token groups (indexer_logits.cu, kGroupMinTokensPerRequest)
         sub = K.indexer_logits(q8[shift:], w_folded[shift:], pool, page_table, req_idx[shift:], seq[shift:])
         same = (out[shift:].view(torch.int32) == sub.view(torch.int32)).all(1)
         assert bool(same.all()), (
-            f"shift {shift}: tokens {(~same).nonzero().flatten()[:8].add(shift).tolist()} score differently, max "
-            f"{float((out[shift:] - sub).abs().nan_to_num(0).max()):.3g}")
+            f"{name} shift {shift}: tokens {(~same).nonzero().flatten()[:8].add(shift).tolist()} score "
+            f"differently, max {float((out[shift:] - sub).abs().nan_to_num(0).max()):.3g}")
 
 
 @pytest.mark.parametrize("heads", [64, 32])

@@ -230,7 +230,7 @@ __global__ void __launch_bounds__(DSA_PAGE_SIZE) indexer_logits_bf16_kernel(cons
 }
 
 // ---------------------------------------------------------------- token groups (prefill)
-// With many tokens per request (prefill: the launcher's choice when num_tokens >= 8 * requests),
+// With many tokens per request (prefill: the launcher's choice when num_tokens >= 64 * requests),
 // one CTA scores 8 consecutive tokens against a run of pages, warp-specialised:
 //   warpgroup 0 (its warp 0): copies page after page (keys in the 128-byte swizzled layout, the
 //     64 scales beside them) into a ring of kGroupStages stages with cp.async, announcing each
@@ -242,7 +242,7 @@ __global__ void __launch_bounds__(DSA_PAGE_SIZE) indexer_logits_bf16_kernel(cons
 // Shared-memory traffic per page and 8 tokens (H = 64): the copy writes 8.25 KB, each consumer's
 // wgmmas read the keys twice (16 KB) and its 4 tokens' q once (32 KB): 104 KB per 8.4 MFLOP,
 // against 130 KB for the pair kernel's 4 page-pairs (cp.async + LDS of the keys, q as B per pair).
-// H200, prefill 4096 x 32K: 2121 us with pairs, 1878 here (DeepGEMM's non-paged kernel: 1817).
+// H200, prefill 4096 x 32K: 2121 us with pairs, 1864-1899 here (DeepGEMM's non-paged kernel: 1817).
 // Tried and not kept (same call): ping-pong across pages (pair 0 of page j + 1 issued before
 // pair 1 of page j is reduced, in runs of 4 or 8 pages so nothing is in flight across the loop's
 // back edge, which makes ptxas serialise every wgmma): 1900-1925 us; one m64n(4H) wgmma group
@@ -251,6 +251,11 @@ __global__ void __launch_bounds__(DSA_PAGE_SIZE) indexer_logits_bf16_kernel(cons
 // indexer_tile.cuh's permuted order there); a token's scores do not depend on which group or
 // position it lands in (tested).
 constexpr int kGroupTokens = 8;    // tokens per CTA, 4 per consumer warpgroup
+// The launcher's threshold. A decode token in a group costs a pass of its own (~2.7 us more than
+// in a pair at 32K), a prefill token ~0.06 us less: H200, 64 decode tokens + a 2048-token chunk at
+// 32K took 1256-1271 us in groups, 1215 in pairs (+ a 512-token chunk: 465-471 / 413), while
+// prefill 4096 x 32K took 1870-1882 / 2126-2275 and 4 x 1024 tokens x 8K 522-525 / 608.
+constexpr int64_t kGroupMinTokensPerRequest = 64;
 constexpr int kGroupStages = 8;    // page ring
 constexpr int kGroupThreads = 3 * kWgThreads;
 constexpr uint32_t kGroupProducerRegs = 40, kGroupConsumerRegs = 232;  // 128*40 + 256*232 <= 65536
@@ -315,9 +320,11 @@ __global__ void __launch_bounds__(kGroupThreads, 1)
   extern __shared__ uint8_t smem_raw[];
   GroupSmem<H>& sm = *reinterpret_cast<GroupSmem<H>*>(align_smem_1024(smem_raw));
   const int tid = threadIdx.x, lane = tid & 31;
-  // The last groups first: in a causal prefill later tokens see more pages, and the longest CTAs
-  // starting first leave the shortest for the last wave.
-  const int64_t t0 = (int64_t)(gridDim.x - 1 - blockIdx.x) * kGroupTokens;
+  // Groups in token order: a step's decode tokens come first (runtime/scheduler.py), and their
+  // groups, one pass per request, are the longest CTAs. (The last groups first, longest first in a
+  // causal prefill, gave 4 requests x 1024 tokens x 8K 491-500 us against 506, but put those CTAs
+  // in the last wave of a mixed step.)
+  const int64_t t0 = (int64_t)blockIdx.x * kGroupTokens;
   const int max_cols = p.max_pages * DSA_PAGE_SIZE;
   const int p_begin = blockIdx.y * pages_per_cta;
   const int p_end = min(p_begin + pages_per_cta, p.max_pages);
@@ -434,39 +441,79 @@ __global__ void __launch_bounds__(kGroupThreads, 1)
     out[hf] = p.logits + (t0 + u) * p.logits_stride + row;
   }
   const uint64_t qdesc0 = make_desc_sw128(sm.q[u0]), qdesc1 = make_desc_sw128(sm.q[u0 + 2]);
+  // Page j of the CTA: wait for its stage. No proxy fence between the copies' arrival and the
+  // wgmmas: cp.async wrote the stage, and FlashAttention-3's paged (non-TMA) K loads hand cp.async
+  // data to wgmma through the mbarrier alone too. A fence here (ptxas: MEMBAR.ALL.CTA, which waits
+  // for this thread's logits stores) cost 1.2%: 1878 -> 1901-1917 us on the prefill shape.
+  auto stage_ready = [&](int j) {
+    const int st = j % kGroupStages;
+    ptx::mbar_wait(&sm.full[st], (j / kGroupStages) & 1);
+    return st;
+  };
+  auto release = [&](int st) {  // this warp no longer reads the stage
+    if (lane == 0) ptx::mbar_arrive(&sm.empty[st]);
+  };
+  auto mma = [&](float (&d)[H], uint64_t kdesc, uint64_t qdesc) {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) WgmmaSS<2 * H>::run(d, kdesc + 2 * k, qdesc + 2 * k, k);
+    wgmma_commit();
+  };
   float d0[H], d1[H];  // m64n(2H): pair 0, pair 1
   int j = 0;
   for (int ps = 0; ps < kGroupTokens; ++ps) {
     const int n = sm.pass_pages[ps];
     if (n <= 0) continue;
     const bool st0 = lead[0] == ps, st1 = lead[1] == ps;
-    for (int i = 0; i < n; ++i, ++j) {
-      const int st = j % kGroupStages;
-      // No proxy fence between the copies' arrival and the wgmmas: cp.async wrote the stage, and
-      // FlashAttention-3's paged (non-TMA) K loads hand cp.async data to wgmma through the
-      // mbarrier alone too. A fence here (ptxas: MEMBAR.ALL.CTA, which waits for this thread's
-      // logits stores) cost 1.2%: 1878 -> 1901-1917 us on the prefill shape.
-      ptx::mbar_wait(&sm.full[st], (j / kGroupStages) & 1);
-      const float scale = sm.scales[st][row];
-      const uint64_t kdesc = make_desc_sw128(sm.keys[st]);
+    // The pairs of this warpgroup with a token in the pass (uniform over the warpgroup). A group of
+    // decode tokens of 8 requests (a step mixing decode and prefill) runs 8 passes of one token.
+    // Each loop below is free of branches around its wgmmas (ptxas serialises them otherwise).
+    const bool run0 = sm.leader[u0] == ps || sm.leader[u0 + 1] == ps;
+    const bool run1 = sm.leader[u0 + 2] == ps || sm.leader[u0 + 3] == ps;
+    if (run0 && run1) {  // both pairs (prefill): pair 0 is reduced while pair 1's wgmmas run
+      for (int i = 0; i < n; ++i, ++j) {
+        const int st = stage_ready(j);
+        const float scale = sm.scales[st][row];
+        const uint64_t kdesc = make_desc_sw128(sm.keys[st]);
 #pragma unroll
-      for (int e = 0; e < H; ++e) fence_operand(d0[e]), fence_operand(d1[e]);
-      wgmma_fence();
+        for (int e = 0; e < H; ++e) fence_operand(d0[e]), fence_operand(d1[e]);
+        wgmma_fence();
+        mma(d0, kdesc, qdesc0);
+        mma(d1, kdesc, qdesc1);
+        wgmma_wait<1>();
+        float s0[1], s1[1];
+        reduce_page_group<H, 2>(d0, scale, wr[0], wtid, s0);
+        wgmma_wait<0>();
+        release(st);
+        reduce_page_group<H, 2>(d1, scale, wr[1], wtid, s1);
+        const int col = (p_begin + i) * DSA_PAGE_SIZE;
+        if (st0) out[0][col] = col < seq[0] ? s0[0] : -CUDART_INF_F;
+        if (st1) out[1][col] = col < seq[1] ? s1[0] : -CUDART_INF_F;
+      }
+    } else if (run0 || run1) {  // one pair
+      const int hf = run0 ? 0 : 1;
+      const bool mine = hf == 0 ? st0 : st1;
+      const uint64_t qdesc = hf == 0 ? qdesc0 : qdesc1;
+      float* const o = hf == 0 ? out[0] : out[1];
+      const int vis = hf == 0 ? seq[0] : seq[1];
+      for (int i = 0; i < n; ++i, ++j) {
+        const int st = stage_ready(j);
+        const float scale = sm.scales[st][row];
 #pragma unroll
-      for (int k = 0; k < 4; ++k) WgmmaSS<2 * H>::run(d0, kdesc + 2 * k, qdesc0 + 2 * k, k);
-      wgmma_commit();
-#pragma unroll
-      for (int k = 0; k < 4; ++k) WgmmaSS<2 * H>::run(d1, kdesc + 2 * k, qdesc1 + 2 * k, k);
-      wgmma_commit();
-      wgmma_wait<1>();
-      float s0[1], s1[1];
-      reduce_page_group<H, 2>(d0, scale, wr[0], wtid, s0);
-      wgmma_wait<0>();
-      if (lane == 0) ptx::mbar_arrive(&sm.empty[st]);  // this warp no longer reads the stage
-      reduce_page_group<H, 2>(d1, scale, wr[1], wtid, s1);
-      const int col = (p_begin + i) * DSA_PAGE_SIZE;
-      if (st0) out[0][col] = col < seq[0] ? s0[0] : -CUDART_INF_F;
-      if (st1) out[1][col] = col < seq[1] ? s1[0] : -CUDART_INF_F;
+        for (int e = 0; e < H; ++e) fence_operand(d0[e]);
+        wgmma_fence();
+        mma(d0, make_desc_sw128(sm.keys[st]), qdesc);
+        wgmma_wait<0>();
+        release(st);
+        float s[1];
+        if (hf == 0)
+          reduce_page_group<H, 2>(d0, scale, wr[0], wtid, s);
+        else
+          reduce_page_group<H, 2>(d0, scale, wr[1], wtid, s);
+        const int col = (p_begin + i) * DSA_PAGE_SIZE;
+        if (mine) o[col] = col < vis ? s[0] : -CUDART_INF_F;
+      }
+    } else {  // no token here: only keep the ring's phases
+      for (int i = 0; i < n; ++i, ++j) release(stage_ready(j));
     }
   }
 }
@@ -485,12 +532,13 @@ int num_sms() {
 //   TT = 2 (pairs, compute bound): a grid of N CTAs of ppc pages takes about ceil(N / resident)
 //     waves of (ppc + ~2 pages of per-CTA cost: q staging, the first pages' latency); the cheapest
 //     split wins (the fewest CTAs on a tie). Prefill 4096 x 32K: 2401 us against 2476 for 32
-//     pages per CTA.
+//     pages per CTA. Splits with more than max_ppc pages per CTA are left out (token groups:
+//     launch_group).
 constexpr int kMaxDecodePagesPerCta = 16;
 constexpr int kCtaFixedPages = 2;
 constexpr int kMaxSplits = 1024;
 template <int TT>
-int64_t pages_per_cta(int64_t groups, int max_pages, int64_t resident) {
+int64_t pages_per_cta(int64_t groups, int max_pages, int64_t resident, int64_t max_ppc = INT64_MAX) {
   if (TT == 1) {
     const int64_t ppc = dsa_ceil_div(groups * max_pages, resident);
     return ppc < 1 ? 1 : (ppc > kMaxDecodePagesPerCta ? kMaxDecodePagesPerCta : ppc);
@@ -498,7 +546,7 @@ int64_t pages_per_cta(int64_t groups, int max_pages, int64_t resident) {
   int64_t best_ppc = max_pages, best_cost = INT64_MAX, prev_ppc = -1;
   for (int s = 1; s <= max_pages && s <= kMaxSplits; ++s) {
     const int64_t ppc = dsa_ceil_div(max_pages, s);
-    if (ppc == prev_ppc) continue;
+    if (ppc == prev_ppc || (ppc > max_ppc && s < max_pages && s < kMaxSplits)) continue;
     prev_ppc = ppc;
     const int64_t ctas = groups * dsa_ceil_div(max_pages, ppc);
     const int64_t cost = dsa_ceil_div(ctas, resident) * (ppc + kCtaFixedPages);
@@ -532,14 +580,21 @@ int launch_fp8(const DsaIndexerLogitsParams& p, cudaStream_t stream) {
   return DSA_OK;
 }
 
-// Token groups (prefill): one CTA per SM (registers), pages per CTA by the waves cost model.
+// Token groups (prefill): one CTA per SM (registers), pages per CTA by the waves cost model. A
+// group spanning several requests runs one pass per request, so a CTA of decode tokens of 8
+// requests (a step mixing decode with a prefill chunk) does up to 8 passes over its pages: its
+// pages are capped so that such a CTA takes no more than an SM's share of the one-pass work.
+// (64 decode tokens and a 2048-token chunk at 32K: 2508 us uncapped, most of it the 8 CTAs of
+// decode groups after the prefill's.)
 template <int H>
 int launch_group(const DsaIndexerLogitsParams& p, cudaStream_t stream) {
   constexpr size_t kSmem = sizeof(GroupSmem<H>) + 1024;  // + slack to align to 1024
   const int rc = dsa_kernel_attributes("indexer_logits", (const void*)indexer_logits_group_kernel<H>, kSmem);
   if (rc != DSA_OK) return rc;
-  const int64_t groups = dsa_ceil_div(p.num_tokens, kGroupTokens);
-  const int64_t ppc = pages_per_cta<kGroupTokens>(groups, p.max_pages, num_sms());
+  const int64_t groups = dsa_ceil_div(p.num_tokens, kGroupTokens), sms = num_sms();
+  const int64_t passes = p.num_requests < kGroupTokens ? p.num_requests : kGroupTokens;  // at most, per group
+  const int64_t max_ppc = dsa_ceil_div(groups * p.max_pages, sms * passes);
+  const int64_t ppc = pages_per_cta<kGroupTokens>(groups, p.max_pages, sms, max_ppc);
   const int64_t splits = dsa_ceil_div(p.max_pages, ppc);
   DSA_CHECK_SUPPORTED(splits <= 65535, "indexer_logits: max_pages=%d too large (page splits %lld > 65535)",
                       p.max_pages, (long long)splits);
@@ -551,9 +606,10 @@ int launch_group(const DsaIndexerLogitsParams& p, cudaStream_t stream) {
 template <int H, int kFormat>
 int launch(const DsaIndexerLogitsParams& p, cudaStream_t stream) {
   if constexpr (kFormat == DSA_CACHE_FP8) {
-    // Groups of 8 tokens when requests have 8 or more tokens on average (prefill), pairs when
-    // there are more tokens than requests (MTP decode), one token per CTA otherwise (decode).
-    const bool groups = p.num_requests > 0 && p.num_tokens >= (int64_t)kGroupTokens * p.num_requests;
+    // Groups of 8 tokens when requests have kGroupMinTokensPerRequest or more tokens on average
+    // (prefill), pairs when there are more tokens than requests (MTP decode, steps mixing decode
+    // and prefill), one token per CTA otherwise (decode).
+    const bool groups = p.num_requests > 0 && p.num_tokens >= kGroupMinTokensPerRequest * p.num_requests;
     const bool pairs = p.num_requests > 0 && p.num_tokens > p.num_requests;
     const int rc = groups ? launch_group<H>(p, stream) : pairs ? launch_fp8<H, 2>(p, stream) : launch_fp8<H, 1>(p, stream);
     if (rc != DSA_OK) return rc;
