@@ -11,15 +11,15 @@
 // block barriers) and reads them back as its A fragment. The page ids come 32 at a time (a warp's
 // lanes), the next 32 loaded while the current ones are used.
 //   TT = 1 (decode: one token per request): memory bound, 132 B of key per 2*H*128 FLOP.
-//   TT = 2 (the launcher's choice when there are more tokens than requests but fewer than 8 per
-//     request: MTP decode, short prefills): consecutive tokens of one request share every page
-//     they both see, so a page is copied and read once per pair (one token per CTA re-read each
-//     page per token: prefill 4096 x 32K took 2858 us, pairs 2163). What bounds the pair kernel is
-//     shared memory (ncu: L1 76%, tensor pipe 49%, issue 47%): per page-pair the wgmma reads q,
+//   TT = 2 (the launcher's choice when there are more tokens than requests but fewer than 64 per
+//     request: MTP decode, steps mixing decode and prefill, short prefills): consecutive tokens
+//     of one request share every page they both see, so a page is copied and read once per pair
+//     (one token per CTA re-read each page per token: prefill 4096 x 32K took 2858 us, pairs
+//     2163). What bounds the pair kernel is shared memory (ncu: L1 76%, tensor pipe 49%, issue 47%): per page-pair the wgmma reads q,
 //     16 KB, as its B operand, and the keys pass through shared memory twice (cp.async in, LDS
 //     out: 16.5 KB), ~260 cycles at 128 B/cycle against 256 cycles of QGMMA. A pair whose tokens
 //     belong to different requests (a request boundary) runs two passes, one per token.
-// Token groups (8 or more tokens per request on average: prefill): indexer_logits_group_kernel
+// Token groups (64 or more tokens per request on average: prefill): indexer_logits_group_kernel
 // below, 8 tokens per CTA, warp-specialised, both wgmma operands in shared memory.
 //
 // bf16 path (exact mode): plain CUDA cores, one thread per key, fp32 accumulation. Correctness
