@@ -13,6 +13,10 @@ FLOPs and bytes like the peer it is compared with (perf_anchors.md §2):
 * prefill logits (DeepGEMM fp8_mqa_logits, CP=0 causal tail): FLOPs = 2*sum(ke-ks)*H*D; bytes =
   q_fp8 + kv_fp8 + kv_scale + weights + ks + ke + sum(ke-ks)*4.
 * top-k (FlashInfer transform): bytes = scores read once + slots written; no FLOPs.
+* "read-only µs" (memory-bound rows): torch.sum over as many bytes of contiguous fp32, timed the
+  same way: what reading the row's bytes and nothing else takes after the same flush. Short reads
+  do not reach the copy ceiling (ramp-up, the flush's dirty lines written back meanwhile); a row
+  at or under its read-only time is at the memory floor this method measures.
 * fused logits + top-k (indexer_topk): the paged decode logits' FLOPs and bytes with the [B, S]
   logits write replaced by the slots written (B*k*4): no logits touch memory on the fused path.
   Each fused row also times the logits kernel alone on the same inputs (the ratio's denominator),
@@ -96,10 +100,24 @@ def roof_cells(us: float, flops: float, nbytes: float) -> str:
     return f"{us:.1f} | {tf} | {tbps:.2f} | {100 * floor_us / us:.0f}%"
 
 
-def row(shape: str, t: tuple | None, flops: float, nbytes: float, peer: str, note: str = "") -> str:
+def row(shape: str, t: tuple | None, flops: float, nbytes: float, peer: str, note: str = "",
+        read_us: float | None = None) -> str:
+    read = f"{read_us:.1f}" if read_us is not None else "—"
     if t is None:
-        return f"| {shape} | {note} | | | | | {peer} |"
-    return f"| {shape} | {roof_cells(t[0], flops, nbytes)} | {t[1]:.1f} | {peer} |"
+        return f"| {shape} | {note} | | | | | {read} | {peer} |"
+    return f"| {shape} | {roof_cells(t[0], flops, nbytes)} | {t[1]:.1f} | {read} | {peer} |"
+
+
+def read_only_us(nbytes: float, flush, iters: int) -> float | None:
+    """Profiler span of torch.sum over nbytes of contiguous fp32 after the flush (None: no memory)."""
+    try:
+        buf = torch.empty(int(nbytes) // 4, device="cuda")
+        out = torch.empty((), device="cuda")
+        events, kernels = time_both_us(lambda: torch.sum(buf, dim=0, out=out), flush, iters)
+        return kernels if kernels is not None else events
+    except torch.OutOfMemoryError:
+        torch.cuda.empty_cache()
+        return None
 
 
 def run_case(fn, flush, iters):
@@ -125,8 +143,8 @@ def main() -> None:
     assert K.library() is not None, K.library_error()
     g = torch.Generator(device="cuda").manual_seed(0)
     flush = torch.empty(64 * 2**20, dtype=torch.int32, device="cuda")
-    lines = ["| case | µs | TFLOP/s | TB/s | % of roofline | events µs | peer µs (H200) |",
-             "|---|---:|---:|---:|---:|---:|---|"]
+    lines = ["| case | µs | TFLOP/s | TB/s | % of roofline | events µs | read-only µs | peer µs (H200) |",
+             "|---|---:|---:|---:|---:|---:|---:|---|"]
 
     fused_lines = []
     if args.only != "topk":
@@ -160,7 +178,9 @@ def logits_rows(pool, pool_pages, g, flush, args, lines) -> None:
             out = torch.empty(batch, ctx, device="cuda")
             us, note = run_case(lambda: K.indexer_logits(q, w, pool, pt, ri, seq, out=out), flush, args.iters)
             flops, nbytes = count_paged_logits(batch, ctx)
-            lines.append(row(f"logits decode B={batch} ctx={ctx_k}K H=64", us, flops, nbytes, peers[(batch, ctx_k)], note))
+            out = None
+            lines.append(row(f"logits decode B={batch} ctx={ctx_k}K H=64", us, flops, nbytes, peers[(batch, ctx_k)], note,
+                             read_only_us(nbytes, flush, args.iters)))
             print(lines[-1], flush=True)
 
     # ---- prefill-shaped logits (one request, causal tail), paged form
@@ -228,7 +248,8 @@ def topk_rows(g, flush, args, lines) -> None:
         slots = torch.empty(rows, TOPK, dtype=torch.int32, device="cuda")
         us, note = run_case(lambda: K.topk_translate(logits, lengths, pt, ri, TOPK, slots=slots), flush, args.iters)
         flops, nbytes = count_topk(rows, width)
-        lines.append(row(f"topk+translate {rows}x{width_k}K k=2048 {kind}", us, flops, nbytes, peer, note))
+        lines.append(row(f"topk+translate {rows}x{width_k}K k=2048 {kind}", us, flops, nbytes, peer, note,
+                         read_only_us(rows * width * 4, flush, args.iters)))
         print(lines[-1], flush=True)
 
 
