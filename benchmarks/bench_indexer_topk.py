@@ -14,9 +14,10 @@ FLOPs and bytes like the peer it is compared with (perf_anchors.md §2):
   q_fp8 + kv_fp8 + kv_scale + weights + ks + ke + sum(ke-ks)*4.
 * top-k (FlashInfer transform): bytes = scores read once + slots written; no FLOPs.
 * "read-only µs" (memory-bound rows): torch.sum over as many bytes of contiguous fp32, timed the
-  same way: what reading the row's bytes and nothing else takes after the same flush. Short reads
-  do not reach the copy ceiling (ramp-up, the flush's dirty lines written back meanwhile); a row
-  at or under its read-only time is at the memory floor this method measures.
+  same way: a library kernel that only streams the bytes, under the same flush. Not a floor (our
+  decode logits beat it at every size), but it shows what this method gives a plain read of that
+  size: short reads stay far from the copy ceiling (ramp-up, the flush's dirty lines written back
+  meanwhile).
 * fused logits + top-k (indexer_topk): the paged decode logits' FLOPs and bytes with the [B, S]
   logits write replaced by the slots written (B*k*4): no logits touch memory on the fused path.
   Each fused row also times the logits kernel alone on the same inputs (the ratio's denominator),
