@@ -298,7 +298,7 @@ def make_topk_inputs(rows, width, lengths, kind, seed, batch=3, stride_pad=0, co
     elif kind == "mixed_sign":  # ~1% of the scores > 0 (fewer than k), the rest <= -0.0: a threshold just below zero
         logits.copy_(torch.where(logits > 2.33, logits - 2.33, -(logits.abs())))
     elif kind in ("alias_high", "alias_low", "alias_zero"):  # the sampled threshold's positions (32 of
-        # every 512) hold the row's top (the sample puts the threshold too high: fewer than k
+        # every 512: every sampled run, at sample strides of 16 or 32 vectors) hold the row's top (the sample puts the threshold too high: fewer than k
         # candidates), its bottom (too low: candidates past the cap) or exact zeros (a tied value
         # that is not the threshold); the select falls back to the full path
         sampled = (torch.arange(width, device=DEV) % 512 < 32).expand(rows, width)

@@ -102,6 +102,8 @@ __device__ __forceinline__ uint4 ld_cluster_v4(uint32_t addr) {
 
 // Split cluster barrier: arrive once this CTA's remote reads are done, wait before leaving.
 __device__ __forceinline__ void cluster_arrive() { asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory"); }
+// Without release: for reads whose values have been used already (nothing left to order).
+__device__ __forceinline__ void cluster_arrive_relaxed() { asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void cluster_wait() { asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory"); }
 
 // Shared-memory reductions by 32-bit shared-window address: a generic pointer costs a window
@@ -247,6 +249,7 @@ struct SelectScratch {
   uint32_t slice_total;           // sum of this CTA's reduced bin slice
   uint32_t sel_slice, sel_above;  // slice holding the threshold; count in the slices above it
   uint32_t sel[3];                // threshold search result: bin, k_rem, bin count
+  uint32_t sel2;                  // the bin of a second rank (local_threshold's k2)
   uint32_t kmin, kmax;            // passes >= 1: min / max of this CTA's keys in the previous bin
   uint32_t ident[2];              // cluster-wide: (min == max, min)
   uint32_t ncand;                 // this CTA's candidates
@@ -285,9 +288,10 @@ struct RowOutput {
 
 // Threshold search over a histogram held by this CTA: the highest bin b of [0, nb) with
 // count(bins >= b) >= k_rem -> x.sel = (b, k_rem - count(bins > b), count(b)). Block-wide.
+// k2 > 0: also x.sel2 = the highest bin with count(bins >= b) >= k2 (0 if the histogram holds fewer).
 template <int kThreads>
 __device__ __forceinline__ void local_threshold(const uint32_t* hist, const int nb, const uint32_t k_rem,
-                                                SelectScratch<kThreads>& x) {
+                                                SelectScratch<kThreads>& x, const uint32_t k2 = 0) {
   constexpr int kMaxPerThread = kBins / kThreads;
   const int per = nb / kThreads;  // nb in {1024, 2048}, kThreads in {256, 512}
   const int b0 = threadIdx.x * per;
@@ -300,6 +304,15 @@ __device__ __forceinline__ void local_threshold(const uint32_t* hist, const int 
   }
   const uint32_t incl = block_suffix_sum<kThreads>(mine, x.scan);
   const uint32_t excl = incl - mine;
+  if (threadIdx.x == 0 && k2 > incl) x.sel2 = 0;  // (thread 0's incl: the histogram's total)
+  if (k2 > 0 && excl < k2 && k2 <= incl) {
+    uint32_t acc = excl;
+#pragma unroll
+    for (int j = kMaxPerThread - 1; j >= 0; --j) {
+      if (j < per && acc < k2 && acc + c[j] >= k2) x.sel2 = b0 + j;
+      acc += c[j];
+    }
+  }
   if (excl < k_rem && k_rem <= incl) {
     uint32_t acc = excl;
 #pragma unroll
@@ -338,13 +351,17 @@ __device__ __forceinline__ uint32_t candidate_offsets(const int C, SelectScratch
 // finishes the radix select on them locally (keys matching `prefix` at `shift`, k_rem of them
 // still to take; the same result in every CTA) and marks its own positions: above the threshold
 // -> selected, equal -> tied. Returns the tied keys to take, lowest positions first.
+// guess (shift 32 only; -1: none): a likely first digit (key >> 21) of the threshold, e.g. from a
+// sample. Checked by one count: when fewer than k_rem candidates have a higher first digit and at
+// least k_rem have this one or higher, it is the threshold's, and the first radix pass is skipped.
 template <int kThreads>
 __device__ __forceinline__ uint32_t candidate_select_mark(const SelectSmem<kThreads>& s, const int C, const int start,
                                                           const int n_local, const uint32_t total, uint32_t prefix,
                                                           int shift, uint32_t k_rem, uint32_t* sel_bits,
-                                                          uint32_t* tie_bits) {
+                                                          uint32_t* tie_bits, const int guess = -1) {
   SelectScratch<kThreads>& x = *s.x;
-  const int tid = threadIdx.x;
+  constexpr int kWarps = kThreads / 32;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   constexpr int kPer = kCandCap / kThreads;
   uint32_t ck[kPer];
   int cp[kPer];
@@ -364,6 +381,28 @@ __device__ __forceinline__ uint32_t candidate_select_mark(const SelectSmem<kThre
       const uint2 c = ld_cluster_v2(cluster_addr(s.cand + (g - x.cand_start[r]), r));
       ck[j] = c.x;
       cp[j] = (int)c.y;
+    }
+  }
+  if (shift == 32 && guess >= 0) {  // uniform
+    uint32_t above = 0, at = 0;
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) {
+      above += (uint32_t)(cp[j] >= 0 && (int)(ck[j] >> 21) > guess);
+      at += (uint32_t)(cp[j] >= 0 && (int)(ck[j] >> 21) == guess);
+    }
+    above = __reduce_add_sync(0xffffffffu, above);
+    at = __reduce_add_sync(0xffffffffu, at);
+    if (lane == 0) {
+      x.scan[warp] = above;
+      x.scan[kWarps + warp] = at;
+    }
+    __syncthreads();
+    above = __reduce_add_sync(0xffffffffu, lane < kWarps ? x.scan[lane] : 0u);
+    at = __reduce_add_sync(0xffffffffu, lane < kWarps ? x.scan[kWarps + lane] : 0u);
+    if (above < k_rem && above + at >= k_rem) {  // uniform
+      prefix = (uint32_t)guess;
+      shift = 21;
+      k_rem -= above;
     }
   }
   bool take_all = false;
@@ -462,7 +501,7 @@ __device__ __forceinline__ void emit_write(const SelectSmem<kThreads>& s, const 
   const int w0 = c.w0, w1 = c.w1;
   const uint32_t off_sel = c.off_sel, off_tie = c.off_tie, cta_sel = c.cta_sel, cta_tie = c.cta_tie;
   const uint32_t base_sel = c.base_sel, base_tie = c.base_tie;
-  cluster_arrive();  // this CTA's remote reads are done
+  cluster_arrive_relaxed();  // this CTA's remote reads are done (their values summed above)
   // Positions in order into the candidate buffer (every CTA's candidates were read before (E)),
   // then translated by all threads at once (each translation is a dependent global load).
   int32_t* staged = reinterpret_cast<int32_t*>(s.cand);  // [kMaxTopk]
@@ -756,10 +795,17 @@ __device__ __forceinline__ void cluster_select_emit(cg::cluster_group& cluster, 
 //    in its bitmap area (the sample fits: stride >= 16); after a cluster barrier every CTA loads
 //    the whole cluster's sample (<= kThreads * kSamplePer keys) into registers and finds its m-th
 //    largest key to 22 bits, m = 1.5 k / stride (two local radix passes): T_low, the same in
-//    every CTA.
+//    every CTA. The first pass also finds the first digit of the sample's (k / stride)-th
+//    largest key, a guess at the threshold's.
 // 2. One sweep: keys >= T_low become candidates (key, position); no histogram. When the row's
 //    candidates number at least k (then every key of the top k is one) and at most kCandCap, the
-//    candidate step of the select finishes exactly as above.
+//    candidate step of the select finishes exactly as above, its first radix pass replaced by a
+//    count when the guessed first digit is right.
+// The sample is 8 keys per thread of the gather (1/32 of a 128K row over 2 or 4 CTAs; m = 96 for
+// k = 2048: the candidates' count varies by ~10%, 3072 expected between k and the cap). Against
+// 16 keys (1/16), H200, profiler spans: 64 / 128 x 128K 27.2 / 38.4 -> 26.0 / 36.9 us, 32 x 128K
+// 24.3 -> 22.8; with the guess as well 25.3 / 35.8 and 21.8, the B=32 x 128K decode chain
+// 1.172-1.177 -> 1.145-1.151 of logits-only (docs/2026-11-30-topk-one-sweep.md).
 // 3. A sample whose 22-bit bin at T_low holds more keys than the cap allows, all of one value t
 //    (massive ties, e.g. ReLU scores of exact zeros): the sweep marks keys > t as selected and
 //    keys == t as tied, and the row is done if count(> t) < k <= count(>= t).
@@ -767,7 +813,7 @@ __device__ __forceinline__ void cluster_select_emit(cg::cluster_group& cluster, 
 // full select: exact either way.
 constexpr int kSampleStride = 16;                 // slice vectors per sampled vector, at least
 constexpr int kSampleRun = 8;                     // consecutive vectors of a sampled run
-constexpr int kSamplePer = 16;                    // sampled keys per thread of the gather, at most
+constexpr int kSamplePer = 8;                     // sampled keys per thread of the gather, at most
 constexpr int kSampleEstCap = kCandCap * 7 / 8;   // candidates the sample may predict, at most
 
 // Whether a row of L keys (cluster-uniform) may take the sampled path: k large enough for a
@@ -837,6 +883,7 @@ __device__ __forceinline__ bool sampled_select_emit(cg::cluster_group& cluster, 
   // sample of massive ties would otherwise serialise on one bin).
   uint32_t prefix = 0, k_rem = m, count = 0;
   int shift = 32;
+  int guess = -1;  // the first digit of the sample's (k / stride)-th largest key: the row's threshold's, likely
 #pragma unroll 1
   for (int pass = 0; pass < 2; ++pass) {
     const int dshift = pass == 0 ? 21 : 10;
@@ -845,7 +892,8 @@ __device__ __forceinline__ bool sampled_select_emit(cg::cluster_group& cluster, 
 #pragma unroll
     for (int j = 0; j < kVecsPer; ++j) hist_add4_matching(smem_addr(s.hist1), sk[j], prefix, shift, dshift);
     __syncthreads();
-    local_threshold<kThreads>(s.hist1, kBins, k_rem, x);
+    local_threshold<kThreads>(s.hist1, kBins, k_rem, x, pass == 0 ? (uint32_t)max(k / stride, 1) : 0u);
+    if (pass == 0) guess = (int)x.sel2;
     prefix = (shift == 32 ? 0u : prefix << (shift - dshift)) | x.sel[0];
     k_rem = x.sel[1];
     count = x.sel[2];
@@ -1000,7 +1048,8 @@ __device__ __forceinline__ bool sampled_select_emit(cg::cluster_group& cluster, 
   }
   zero_bitmaps();
   __syncthreads();
-  const uint32_t k_ties = candidate_select_mark<kThreads>(s, C, start, n_local, total, 0u, 32, (uint32_t)k, sel_bits, tie_bits);
+  const uint32_t k_ties =
+      candidate_select_mark<kThreads>(s, C, start, n_local, total, 0u, 32, (uint32_t)k, sel_bits, tie_bits, guess);
   __syncthreads();  // the bitmaps are complete
   emit_selected<kThreads>(cluster, s, n_local, start, chunk, k_ties, out);
   return true;
