@@ -319,7 +319,7 @@ __device__ __forceinline__ void consumer(Fp8Smem& sm, const DsaSparseMlaParams& 
 #pragma unroll
     for (int sl = 0; sl < kQkStepsPerWg; ++sl) {
       const int s = c * kQkStepsPerWg + sl;  // dims [32s, 32s + 32): block s / 4, byte 32 * (s % 4) of the row
-      dsa_wgmma::RS<64>::run(s_acc, qa[sl], make_smem_desc_sw128(base + (s >> 2) * kKBlockBytes + (s & 3) * 32),
+      dsa_wgmma::rs<64>(s_acc, qa[sl], make_smem_desc_sw128(base + (s >> 2) * kKBlockBytes + (s & 3) * 32),
                               sl > 0 ? 1 : 0);
     }
   };
@@ -327,7 +327,7 @@ __device__ __forceinline__ void consumer(Fp8Smem& sm, const DsaSparseMlaParams& 
     const uint32_t base = smem_u32(sm.vt_tile[st]) + c * (kVHalf / 8) * kVtGroupBytes;
 #pragma unroll
     for (int kk = 0; kk < 2; ++kk)
-      dsa_wgmma::RS<256>::run(o, pa[kk], make_smem_desc(base + kk * 2 * kCoreBytes, kCoreBytes, kVtGroupBytes), 1);
+      dsa_wgmma::rs<256>(o, pa[kk], make_smem_desc(base + kk * 2 * kCoreBytes, kCoreBytes, kVtGroupBytes), 1);
   };
   auto stage_valid = [&](int st) {  // the 64 slot-validity bits of K stage st's tile (read before releasing it)
     const uint2 w = *reinterpret_cast<const uint2*>(&sm.valid_k[st][0]);

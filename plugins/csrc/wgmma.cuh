@@ -2,7 +2,8 @@
 //
 //   dsa_wgmma::RS<N>::run(d, a0, a1, a2, a3, desc_b, scale_d)
 //       D[64 x N] (+)= A[64 x 32] (registers: this thread's 4 fragment words) * B[N x 32]^T (shared
-//       memory, by descriptor); N = 32, 64, 128, 256.
+//       memory, by descriptor); N = 32, 64, 128, 256. dsa_wgmma::rs<N>(d, a[4], desc_b, scale_d): the
+//       same with the fragment as an array.
 //   dsa_wgmma::SS<N>::run(d, desc_a, desc_b, scale_d)
 //       D[64 x N] (+)= A[64 x 32] (shared) * B[N x 32]^T (shared); N = 64, 128.
 //
@@ -65,9 +66,6 @@ struct RS<32> {
         : DSA_WGMMA_F16(d)
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc_b), "r"(scale_d));
   }
-  __device__ __forceinline__ static void run(float (&d)[16], const uint32_t (&a)[4], uint64_t desc_b, int scale_d) {
-    run(d, a[0], a[1], a[2], a[3], desc_b, scale_d);
-  }
 };
 
 template <>
@@ -80,9 +78,6 @@ struct RS<64> {
         ", {%32, %33, %34, %35}, %36, p, 1, 1;\n}\n"
         : DSA_WGMMA_F32(d)
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc_b), "r"(scale_d));
-  }
-  __device__ __forceinline__ static void run(float (&d)[32], const uint32_t (&a)[4], uint64_t desc_b, int scale_d) {
-    run(d, a[0], a[1], a[2], a[3], desc_b, scale_d);
   }
 };
 
@@ -97,9 +92,6 @@ struct RS<128> {
         : DSA_WGMMA_F64(d)
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc_b), "r"(scale_d));
   }
-  __device__ __forceinline__ static void run(float (&d)[64], const uint32_t (&a)[4], uint64_t desc_b, int scale_d) {
-    run(d, a[0], a[1], a[2], a[3], desc_b, scale_d);
-  }
 };
 
 template <>
@@ -113,10 +105,13 @@ struct RS<256> {
         : DSA_WGMMA_F128(d)
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc_b), "r"(scale_d));
   }
-  __device__ __forceinline__ static void run(float (&d)[128], const uint32_t (&a)[4], uint64_t desc_b, int scale_d) {
-    run(d, a[0], a[1], a[2], a[3], desc_b, scale_d);
-  }
 };
+
+// RS<N>::run with the A fragment as an array.
+template <int N, int R>
+__device__ __forceinline__ void rs(float (&d)[R], const uint32_t (&a)[4], uint64_t desc_b, int scale_d) {
+  RS<N>::run(d, a[0], a[1], a[2], a[3], desc_b, scale_d);
+}
 
 template <>
 struct SS<64> {
