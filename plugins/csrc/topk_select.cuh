@@ -936,7 +936,9 @@ __device__ __forceinline__ bool sampled_select_emit(cg::cluster_group& cluster, 
   // head to shared memory meanwhile (cp.async) was slower either way it was tried: issued with the
   // sample, it queued the other CTAs' samples behind it in DRAM (64 x 128K 29.0 -> 33.0 us);
   // issued after (S), 29.1 -> 29.9. A ring of bulk copies (TMA) of the whole slice did no better
-  // (docs/2026-11-30-topk-one-sweep.md, ninth session).
+  // (docs/2026-11-30-topk-one-sweep.md, ninth session). L2 prefetches of its first 64 / 128 KB
+  // (per thread or bulk, after (S) or with the sample) did not help 64 x 128K either: issuing
+  // them stalls the warps about as long as the sweep then saves (twelfth session).
   // visit(q, v0) gets a batch: q[u] holds the float bits of vector v0 + u * kThreads + tid.
   constexpr int kUnroll = 8;
   auto sweep = [&](auto&& visit) {
@@ -998,7 +1000,10 @@ __device__ __forceinline__ bool sampled_select_emit(cg::cluster_group& cluster, 
   // scan gives each lane its slots). The sweep was bound by these visits, not by its loads; from
   // an atomic per thread and vector on the one counter and keys converted on load, H200: 64 / 128
   // x 128K 28.8 / 41.5 -> 27.3 / 38.1-38.6 us, 32 x 128K (clusters of 4) 25.9 -> 24.4
-  // (docs/2026-11-30-topk-one-sweep.md, ninth session).
+  // (docs/2026-11-30-topk-one-sweep.md, ninth session). Since then the visits are no longer what
+  // bounds it: marking candidates in a bitmap instead (~230 instead of ~640 instructions per thread
+  // and batch, the keys read again after the sweep) took 64 x 128K from 25.3 to 28.2 us (twelfth
+  // session).
   const int32_t thr = (int32_t)(t_low ^ 0x80000000u);
   auto collect = [&](auto nonneg, const uint4 (&q)[kUnroll], const int v0) {
     const bool whole = v0 + kUnroll * kThreads <= n_local / 4;  // CTA-uniform: no vector to mask
