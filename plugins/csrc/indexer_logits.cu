@@ -486,7 +486,12 @@ int num_sms() {
 // at once (measured on the H200, benchmarks/RESULTS.md):
 //   TT = 1 (decode, memory bound): the work spread over every resident CTA, at most 16 pages per
 //     CTA. Many short CTAs balance the SMs through the block scheduler: at 128K, B = 128, 16 pages
-//     per CTA took 579 us, 32 pages 584, one wave of 410 pages 614.
+//     per CTA took 579 us, 32 pages 584, one wave of 410 pages 614. Rounded up to a power of two
+//     (an even split of power-of-two page counts, no CTA left with a sliver of pages), and 8 for a
+//     grid of fewer than two waves (smaller CTAs even out its tail). H200, dirty flush, us, auto
+//     before -> 8 pages: B=32 x 32K (16 pages) 43.8-44.7 -> 42.5-42.9, B=4 x 128K (13) 24.6-25.0
+//     -> 24.1-24.2, B=8 x 32K (7) 14.1-14.2 -> 13.4; unchanged at 16 pages: B=32 / 128 x 128K,
+//     B=64 x 64K (8 pages there: the same, and 564-567 against 563-564 at B=128).
 //   TT = 2 (pairs, compute bound): a grid of N CTAs of ppc pages takes about ceil(N / resident)
 //     waves of (ppc + ~2 pages of per-CTA cost: q staging, the first pages' latency); the cheapest
 //     split wins (the fewest CTAs on a tie). Prefill 4096 x 32K: 2401 us against 2476 for 32
@@ -498,8 +503,11 @@ constexpr int kMaxSplits = 1024;
 template <int TT>
 int64_t pages_per_cta(int64_t groups, int max_pages, int64_t resident, int64_t max_ppc = INT64_MAX) {
   if (TT == 1) {
-    const int64_t ppc = dsa_ceil_div(groups * max_pages, resident);
-    return ppc < 1 ? 1 : (ppc > kMaxDecodePagesPerCta ? kMaxDecodePagesPerCta : ppc);
+    const int64_t spread = dsa_ceil_div(groups * max_pages, resident);
+    int64_t ppc = 1;
+    while (ppc < spread && ppc < kMaxDecodePagesPerCta) ppc *= 2;
+    if (ppc > 8 && groups * dsa_ceil_div(max_pages, ppc) < 2 * resident) ppc = 8;
+    return ppc;
   }
   int64_t best_ppc = max_pages, best_cost = INT64_MAX, prev_ppc = -1;
   for (int s = 1; s <= max_pages && s <= kMaxSplits; ++s) {
