@@ -17,7 +17,8 @@ FLOPs and bytes like the peer it is compared with (perf_anchors.md §2):
   same way: a library kernel that only streams the bytes, under the same flush. Not a floor (our
   decode logits beat it at every size), but it shows what this method gives a plain read of that
   size: short reads stay far from the copy ceiling (ramp-up, the flush's dirty lines written back
-  meanwhile).
+  meanwhile). The floors themselves (a kernel that only reads the same pages, every load in
+  flight) come from benchmarks/read_floor.py.
 * fused logits + top-k (indexer_topk): the paged decode logits' FLOPs and bytes with the [B, S]
   logits write replaced by the slots written (B*k*4): no logits touch memory on the fused path.
   Each fused row also times the logits kernel alone on the same inputs (the ratio's denominator),
