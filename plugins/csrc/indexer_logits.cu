@@ -487,11 +487,11 @@ int num_sms() {
 //   TT = 1 (decode, memory bound): the work spread over every resident CTA, at most 16 pages per
 //     CTA. Many short CTAs balance the SMs through the block scheduler: at 128K, B = 128, 16 pages
 //     per CTA took 579 us, 32 pages 584, one wave of 410 pages 614. Rounded up to a power of two
-//     (an even split of power-of-two page counts, no CTA left with a sliver of pages), and 8 for a
-//     grid of fewer than two waves (smaller CTAs even out its tail). H200, dirty flush, us, auto
-//     before -> 8 pages: B=32 x 32K (16 pages) 43.8-44.7 -> 42.5-42.9, B=4 x 128K (13) 24.6-25.0
-//     -> 24.1-24.2, B=8 x 32K (7) 14.1-14.2 -> 13.4; unchanged at 16 pages: B=32 / 128 x 128K,
-//     B=64 x 64K (8 pages there: the same, and 564-567 against 563-564 at B=128).
+//     (power-of-two page counts split evenly: no CTA left with a sliver of pages), and at most 8
+//     for a grid of fewer than two waves (smaller CTAs even out its tail). H200 A/B in one call,
+//     us: B=32 x 32K 44.0-45.1 -> 42.6-43.4, B=8 x 32K 14.0-14.3 -> 13.3-13.7, B=4 x 128K
+//     24.4-24.9 -> 24.1-24.5, the rest unchanged (the sweep behind it:
+//     docs/2026-11-30-indexer-token-pairs.md, "Read floors and pages per CTA").
 //   TT = 2 (pairs, compute bound): a grid of N CTAs of ppc pages takes about ceil(N / resident)
 //     waves of (ppc + ~2 pages of per-CTA cost: q staging, the first pages' latency); the cheapest
 //     split wins (the fewest CTAs on a tie). Prefill 4096 x 32K: 2401 us against 2476 for 32
