@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One H200 run of everything GPU-side (device time is scarce: one call, logs under LOG_DIR):
-# the kernel library, every GPU test, the kernel benchmarks, a CUDA engine of the tiny checkpoint,
+# the kernel library, every GPU test, the kernel benchmarks (and the read floors where CuPy is
+# installed), a CUDA engine of the tiny checkpoint,
 # its tests and the eager-vs-CUDA-graph step benchmark.
 #
 #   benchmarks/gpu_check.sh LOG_DIR CHECKPOINT [KV_CALIBRATION_JSON]
@@ -33,6 +34,10 @@ fi
 if has bench; then
   timeout "$BENCH_TIMEOUT" python3 benchmarks/bench_kernels.py --iters 15 > "$LOG/bench_kernels.log" 2>&1
   echo "kernel benchmarks: rc=$? ($(grep -c '^|' "$LOG/bench_kernels.log") table rows)"
+  if python3 -c "import cupy" 2>/dev/null; then  # the read floors of the memory-bound rows (~15 s)
+    timeout 120 python3 benchmarks/read_floor.py --iters 15 > "$LOG/read_floor.log" 2>&1
+    echo "read floors: rc=$? ($(grep -c '^|' "$LOG/read_floor.log") table rows)"
+  fi
 fi
 if has engine; then
   if [[ ! -f $ENGINE/engine_config.json ]]; then
