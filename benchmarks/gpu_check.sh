@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One H200 run of everything GPU-side (device time is scarce: one call, logs under LOG_DIR):
 # the kernel library, every GPU test, the kernel benchmarks (and the read floors where CuPy is
-# installed), a CUDA engine of the tiny checkpoint,
-# its tests and the eager-vs-CUDA-graph step benchmark.
+# installed), a CUDA engine of the tiny checkpoint, its tests and the eager-vs-CUDA-graph step
+# benchmark.
 #
 #   benchmarks/gpu_check.sh LOG_DIR CHECKPOINT [KV_CALIBRATION_JSON]
 #
