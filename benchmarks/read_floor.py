@@ -19,13 +19,13 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import statistics
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_indexer_topk import logits_inputs, random_index_pool  # noqa: E402
+from timing import kernel_span_us  # noqa: E402
 
 from dsa_trt.plugins import cuda_ops as K  # noqa: E402
 
@@ -120,29 +120,10 @@ class Readers:
 
 
 def span_us(run, flush, iters: int) -> float:
-    """Median profiler span of one call (its kernels, first start to last end), each after flush()."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
+    """Profiler span of one call after flush() (timing.kernel_span_us), after 3 warm-up calls."""
     for _ in range(3):
         run()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            flush()
-            run()
-        torch.cuda.synchronize()
-    events = sorted((e for e in prof.profiler.kineto_results.events() if e.device_type() == DeviceType.CUDA),
-                    key=lambda e: e.start_ns())
-    spans, first, last = [], None, None
-    for e in events + [None]:
-        if e is None or not any(o in e.name() for o in ("indexer_", "topk_", "read_")):
-            if first is not None:
-                spans.append((last - first) / 1e3)
-            first = last = None
-        else:
-            first = e.start_ns() if first is None else first
-            last = e.end_ns() if last is None else max(last, e.end_ns())
-    return statistics.median(spans)
+    return kernel_span_us(run, flush, iters, flush_kernels=("bitwise_not", "reduce"))
 
 
 def main() -> None:

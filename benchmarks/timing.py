@@ -44,25 +44,25 @@ def _events_us(graph: torch.cuda.CUDAGraph, flush_buf, iters: int) -> float:
     return statistics.median(times)
 
 
-def _kernels_us(run, flush_buf, iters: int) -> float | None:
+def kernel_span_us(run, flush, iters: int, flush_kernels: tuple[str, ...] = ("bitwise_not",)) -> float | None:
     """Median over iters of the GPU span of one call: first kernel start to last kernel end, read
-    from the CUDA profiler (CUPTI via torch.profiler), each call after an L2 flush. This is how the
-    peers' anchors were measured (h200_peer_anchors.md, "Timing method"). None if the profiler saw
-    no kernel of the call."""
+    from the CUDA profiler (CUPTI via torch.profiler), each call after flush() (a kernel whose name
+    holds one of flush_kernels separates the calls). This is how the peers' anchors were measured
+    (h200_peer_anchors.md, "Timing method"). None if the profiler saw no kernel of the call."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     warnings.filterwarnings("ignore", message=".*Profiler clears events.*")  # one profile per call here
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(iters):
-            flush_l2(flush_buf)
+            flush()
             run()
         torch.cuda.synchronize()
     events = sorted((e for e in prof.profiler.kineto_results.events() if e.device_type() == DeviceType.CUDA),
                     key=lambda e: e.start_ns())
     spans, first, last = [], None, None
     for e in events + [None]:  # None closes the last call
-        if e is None or "bitwise_not" in e.name():  # the flush kernel separates the calls
+        if e is None or any(f in e.name() for f in flush_kernels):  # the flush separates the calls
             if first is not None:
                 spans.append((last - first) / 1e3)
             first = last = None
@@ -80,9 +80,9 @@ def time_both_us(fn, flush_buf, iters: int) -> tuple[float, float | None]:
     Falls back to profiling eager calls if the profiler reports no kernels inside graph replays."""
     graph = _capture(fn)
     events = _events_us(graph, flush_buf, iters)
-    kernels = _kernels_us(graph.replay, flush_buf, iters)
+    kernels = kernel_span_us(graph.replay, lambda: flush_l2(flush_buf), iters)
     if kernels is None:
-        kernels = _kernels_us(fn, flush_buf, iters)
+        kernels = kernel_span_us(fn, lambda: flush_l2(flush_buf), iters)
     return events, kernels
 
 
