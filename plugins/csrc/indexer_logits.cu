@@ -24,6 +24,8 @@
 //
 // bf16 path (exact mode): plain CUDA cores, one thread per key, fp32 accumulation. Correctness
 // only.
+#include <algorithm>
+
 #include <cuda_bf16.h>
 #include <math_constants.h>
 
@@ -37,6 +39,14 @@ using namespace dsa_indexer;
 
 constexpr int kThreads = kWgThreads;  // one warpgroup
 
+// A request's pages over blockIdx.y: splits y < big of ppc pages, then splits of small_ppc pages
+// (the launcher's decode plan ends with a wave of smaller CTAs; big = all splits elsewhere).
+struct PageSplits {
+  int ppc, big, small_ppc;
+  __device__ __forceinline__ int begin(int y) const { return y < big ? y * ppc : big * ppc + (y - big) * small_ppc; }
+  __device__ __forceinline__ int size(int y) const { return y < big ? ppc : small_ppc; }
+};
+
 template <int H, int TT>
 struct Fp8Shape {
   static constexpr int kMinCtasPerSm = TT == 1 ? 5 : 3;  // registers: TT*H/2 accumulators
@@ -45,7 +55,7 @@ struct Fp8Shape {
 
 template <int H, int TT>
 __global__ void __launch_bounds__(kThreads, (Fp8Shape<H, TT>::kMinCtasPerSm))
-    indexer_logits_fp8_kernel(const DsaIndexerLogitsParams p, const int pages_per_cta, const uint64_t l2_policy) {
+    indexer_logits_fp8_kernel(const DsaIndexerLogitsParams p, const PageSplits splits, const uint64_t l2_policy) {
   // (4 tokens per CTA, N = 256, fit 2 CTAs per SM and took 2265 us on the prefill shape against
   // 2163 for pairs at 3 CTAs per SM: fewer warps to hide the wgmma and shared-memory latency.)
   static_assert(TT == 1 || TT == 2, "one or two tokens per CTA");
@@ -57,8 +67,8 @@ __global__ void __launch_bounds__(kThreads, (Fp8Shape<H, TT>::kMinCtasPerSm))
   const int tid = threadIdx.x, lane = tid & 31;
   const int64_t t0 = (int64_t)blockIdx.x * TT;
   const int max_cols = p.max_pages * DSA_PAGE_SIZE;
-  const int p_begin = blockIdx.y * pages_per_cta;
-  const int p_end = min(p_begin + pages_per_cta, p.max_pages);
+  const int p_begin = splits.begin(blockIdx.y);
+  const int p_end = min(p_begin + splits.size(blockIdx.y), p.max_pages);
 
   bool valid[TT];
   int seq_len[TT], req[TT], page_end[TT];  // page_end: this CTA's last visible page + 1 (or p_begin)
@@ -521,6 +531,29 @@ int64_t pages_per_cta(int64_t groups, int max_pages, int64_t resident, int64_t m
   return best_ppc;
 }
 
+// The decode plan's splits of a request's max_pages: ppc pages per CTA (pages_per_cta<1>), and
+// past one wave of resident CTAs, the request's last pages in CTAs of a quarter of that (at least
+// 1), as many per request as make one wave in all. Those CTAs start last, so the grid's tail is
+// made of them; a CTA's time is mostly its fixed latency (page ids, then the first page ~3.5 us
+// after its copy), so smaller last CTAs end the grid sooner. H200, profiler spans, us, uniform ->
+// this plan: B=32 x 32K 42.9-43.9 -> 41.1-41.3, B=4 x 128K 24.3-24.5 -> 23.1-23.6, B=64 x 64K
+// 147.8-148.6 -> 146.1-146.9, B=32 x 128K 148.5-149.1 -> 146.9-147.8, B=128 x 128K 562.8-563.8 ->
+// 560.9-561.7; one wave or less unchanged. (Halves at B=32 x 32K: 42.1-42.9; eighths 41.7-42.3; two
+// waves of quarters 41.6-41.8. docs/2026-11-30-indexer-token-pairs.md, thirteenth session.)
+PageSplits decode_splits(int64_t groups, int max_pages, int64_t resident, int64_t* count) {
+  const int ppc = (int)pages_per_cta<1>(groups, max_pages, resident);
+  const int64_t uniform = dsa_ceil_div(max_pages, ppc);
+  const int small_ppc = ppc / 4;
+  if (groups * uniform <= resident || small_ppc < 1) {
+    *count = uniform;
+    return PageSplits{ppc, (int)uniform, ppc};
+  }
+  const int64_t small_per_group = dsa_ceil_div(resident, groups);
+  const int64_t big = std::max<int64_t>(0, (max_pages - small_per_group * small_ppc) / ppc);
+  *count = big + dsa_ceil_div(max_pages - big * ppc, small_ppc);
+  return PageSplits{ppc, (int)big, small_ppc};
+}
+
 template <int H, int TT>
 int launch_fp8(const DsaIndexerLogitsParams& p, cudaStream_t stream) {
   using Shape = Fp8Shape<H, TT>;
@@ -534,15 +567,22 @@ int launch_fp8(const DsaIndexerLogitsParams& p, cudaStream_t stream) {
     DSA_CHECK_SUPPORTED(n > 0, "indexer_logits: the fp8 kernel (heads=%d, %d tokens per CTA) does not fit an SM", H, TT);
     per_sm = n;
   }
-  const int64_t groups = dsa_ceil_div(p.num_tokens, TT);
-  const int64_t ppc = pages_per_cta<TT>(groups, p.max_pages, (int64_t)num_sms() * per_sm);
-  const int64_t splits = dsa_ceil_div(p.max_pages, ppc);
+  const int64_t groups = dsa_ceil_div(p.num_tokens, TT), resident = (int64_t)num_sms() * per_sm;
+  int64_t splits = 0;
+  PageSplits plan;
+  if constexpr (TT == 1) {
+    plan = decode_splits(groups, p.max_pages, resident, &splits);
+  } else {
+    const int ppc = (int)pages_per_cta<TT>(groups, p.max_pages, resident);
+    splits = dsa_ceil_div(p.max_pages, ppc);
+    plan = PageSplits{ppc, (int)splits, ppc};
+  }
   DSA_CHECK_SUPPORTED(splits <= 65535, "indexer_logits: max_pages=%d too large (page splits %lld > 65535)",
                       p.max_pages, (long long)splits);
   const dim3 grid((unsigned)groups, (unsigned)splits);
   // Decode reads each page once: evict-first (pairs copy without a policy, ring_issue<false>).
   DSA_CUDA_CHECK(dsa_launch_pdl(indexer_logits_fp8_kernel<H, TT>, grid, dim3(kThreads), Shape::kSmem, stream, p,
-                                (int)ppc, kL2EvictFirst));
+                                plan, kL2EvictFirst));
   return DSA_OK;
 }
 
