@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_indexer_topk import logits_inputs, random_index_pool  # noqa: E402
-from timing import kernel_span_us  # noqa: E402
+from timing import kernel_names, kernel_span_us  # noqa: E402
 
 from dsa_trt.plugins import cuda_ops as K  # noqa: E402
 
@@ -120,10 +120,11 @@ class Readers:
 
 
 def span_us(run, flush, iters: int) -> float:
-    """Profiler span of one call after flush() (timing.kernel_span_us), after 3 warm-up calls."""
+    """Profiler span of one call after flush() (timing.kernel_span_us, the flush's own kernels
+    separating the calls), after 3 warm-up calls."""
     for _ in range(3):
         run()
-    return kernel_span_us(run, flush, iters, flush_kernels=("bitwise_not", "reduce"))
+    return kernel_span_us(run, flush, iters, flush_kernels=kernel_names(flush))
 
 
 def main() -> None:

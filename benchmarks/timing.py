@@ -44,6 +44,19 @@ def _events_us(graph: torch.cuda.CUDAGraph, flush_buf, iters: int) -> float:
     return statistics.median(times)
 
 
+def kernel_names(fn) -> tuple[str, ...]:
+    """Names of the CUDA kernels one call of fn runs (from the profiler): e.g. a flush's, for
+    kernel_span_us's flush_kernels."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return tuple(sorted({e.name() for e in prof.profiler.kineto_results.events() if e.device_type() == DeviceType.CUDA}))
+
+
 def kernel_span_us(run, flush, iters: int, flush_kernels: tuple[str, ...] = ("bitwise_not",)) -> float | None:
     """Median over iters of the GPU span of one call: first kernel start to last kernel end, read
     from the CUDA profiler (CUPTI via torch.profiler), each call after flush() (a kernel whose name
