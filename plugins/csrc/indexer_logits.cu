@@ -536,10 +536,11 @@ int64_t pages_per_cta(int64_t groups, int max_pages, int64_t resident, int64_t m
 // 1), as many per request as make one wave in all. Those CTAs start last, so the grid's tail is
 // made of them; a CTA's time is mostly its fixed latency (page ids, then the first page ~3.5 us
 // after its copy), so smaller last CTAs end the grid sooner. H200, profiler spans, us, uniform ->
-// this plan: B=32 x 32K 42.9-43.9 -> 41.1-41.3, B=4 x 128K 24.3-24.5 -> 23.1-23.6, B=64 x 64K
-// 147.8-148.6 -> 146.1-146.9, B=32 x 128K 148.5-149.1 -> 146.9-147.8, B=128 x 128K 562.8-563.8 ->
-// 560.9-561.7; one wave or less unchanged. (Halves at B=32 x 32K: 42.1-42.9; eighths 41.7-42.3; two
-// waves of quarters 41.6-41.8. docs/2026-11-30-indexer-token-pairs.md, thirteenth session.)
+// this plan (same calls): B=32 x 32K 42.6-43.9 -> 41.1-41.5 (one sample 42.5), B=4 x 128K
+// 24.3-24.8 -> 23.1-23.7, B=64 x 64K 147.8-148.6 -> 145.9-146.9, B=32 x 128K 148.4-149.1 ->
+// 146.9-147.8, B=128 x 128K 562.6-563.8 -> 560.9-561.7; one wave or less unchanged. (Halves at
+// B=32 x 32K: 42.1-42.9; eighths 41.7-42.3; two waves of quarters 41.6-41.8.
+// docs/2026-11-30-indexer-token-pairs.md, thirteenth session.)
 PageSplits decode_splits(int64_t groups, int max_pages, int64_t resident, int64_t* count) {
   const int ppc = (int)pages_per_cta<1>(groups, max_pages, resident);
   const int64_t uniform = dsa_ceil_div(max_pages, ppc);
