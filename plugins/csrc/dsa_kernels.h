@@ -203,3 +203,6 @@ const char* dsa_last_error_message(void);
 #ifdef __cplusplus
 }
 #endif
+
+// The real-size linear operators (fp8 block linear, routed MoE experts).
+#include "dsa_moe_kernels.h"
