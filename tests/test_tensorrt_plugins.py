@@ -2,9 +2,10 @@
 
 (a) CPU, wherever TensorRT *headers* are found ($TENSORRT_INCLUDE, or the list below, which the
     Makefile shares): ``make check`` compiles every wrapper against the headers alone with
-    -Wall -Wextra -Werror, and ``make host-test`` drives the five adapters through their TensorRT
-    interfaces (fields, dtypes, shapes, serialisation, aliasing, registration, the params each
-    enqueue hands its launcher) with stand-in launchers: no GPU, no libnvinfer. CI machines have no
+    -Wall -Wextra -Werror, and ``make host-test`` builds tests/cpp/host_test*.cpp, which drives
+    the five adapters through their TensorRT interfaces (fields, dtypes, shapes, serialisation,
+    aliasing, registration, the params each enqueue hands its launcher) with stand-in launchers:
+    no GPU, no libnvinfer. CI machines have no
     TensorRT headers; these tests then skip and say how to get them (PLUGINS.md "Building").
 (b) TensorRT-LLM-style one-operator engines: per plugin, a network holding only that plugin, built
     through INetworkDefinition.add_plugin_v3 and through ONNX with the plugin node, one
