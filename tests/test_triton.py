@@ -39,7 +39,7 @@ MAX_TOKENS = 8  # small: 200 requests in tens of seconds on 2 CPU cores
 LOAD_REQUESTS = 200
 LOAD_STREAMS = 8  # gRPC streams the load is spread over (25 requests in flight on each)
 LOAD_DEADLINE_S = 240.0
-RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "RESULTS.md"
+REPO = Path(__file__).resolve().parent.parent
 RESULTS_HEADING = "## Triton load test (CPU)"
 GRPC_DTYPES = {"TYPE_STRING": "BYTES", "TYPE_INT32": "INT32", "TYPE_FP32": "FP32", "TYPE_UINT64": "UINT64",
                "TYPE_BOOL": "BOOL"}
@@ -295,12 +295,15 @@ def test_load_concurrent_streams(server, oracle):
             f"{rps * MAX_TOKENS:.1f} output tok/s, "
             f"latency p50 {p50:.2f} s, p99 {p99:.2f} s; none lost, none mixed")
     print("\n" + line)
-    if os.environ.get("DSA_WRITE_RESULTS") == "1":  # opt-in: a plain test run leaves the tree clean
-        write_results(line)
+    if os.environ.get("DSA_RESULTS_DIR"):  # opt-in; a test never writes into the tracked tree
+        write_results(line, Path(os.environ["DSA_RESULTS_DIR"]))
 
 
-def write_results(line: str) -> None:
-    """Replace (or add) this test's section of benchmarks/RESULTS.md; other sections are untouched."""
+def write_results(line: str, out_dir: Path) -> Path:
+    """This run's numbers and setup as out_dir/triton_load.md (for benchmarks/RESULTS.md's Triton table)."""
+    if out_dir.resolve().is_relative_to(REPO):
+        raise ValueError(f"DSA_RESULTS_DIR={out_dir} is inside the repository; tests never write into tracked "
+                         "files: point it at a directory outside it, e.g. /tmp/dsa-results")
     section = (
         f"{RESULTS_HEADING}\n\n"
         f"- date: {date.today().isoformat()}; machine: {platform.machine()}, {os.cpu_count()} CPU cores, no GPU; "
@@ -310,18 +313,15 @@ def write_results(line: str) -> None:
         "- requests: distinct prompts, seeded sampling (temperature 0.7-0.9, top-p/top-k varied), all sent at "
         "t=0 over loopback, so they share one continuous batch and finish together; latency = send -> final "
         "response\n"
-        "- command: `DSA_WRITE_RESULTS=1 .venv/bin/python -m pytest -q -s tests/test_triton.py -k load`\n\n"
-        f"{line}\n\n"
+        "- command: `DSA_RESULTS_DIR=/tmp/dsa-results .venv/bin/python -m pytest -q -s tests/test_triton.py -k load`"
+        "\n\n"
+        f"{line}\n"
     )
-    text = RESULTS.read_text() if RESULTS.is_file() else "# Benchmark results\n"
-    start = text.find(RESULTS_HEADING)
-    if start < 0:
-        text = text.rstrip("\n") + "\n\n" + section.rstrip("\n") + "\n"
-    else:
-        end = text.find("\n## ", start + len(RESULTS_HEADING))
-        text = text[:start] + section + (text[end + 1:] if end >= 0 else "")
-    RESULTS.parent.mkdir(exist_ok=True)
-    RESULTS.write_text(text)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "triton_load.md"
+    path.write_text(section)
+    print(f"wrote {path}")
+    return path
 
 
 # ------------------------------------------------------------------------------------------ configs
