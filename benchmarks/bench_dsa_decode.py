@@ -1,5 +1,5 @@
 """Whole DSA decode attention per layer (indexer logits + top-k/translate + sparse MLA, s_q=1) on
-the paged fp8 caches, beside FlashMLA's dense decode on the same H200 (h200_peer_anchors.md).
+the paged fp8 caches, beside FlashMLA's dense decode on the same H200 (measured once, quoted).
 
     python benchmarks/bench_dsa_decode.py [--batches 1 128] [--context 131072] [--iters 20]
 
@@ -24,7 +24,7 @@ from dsa_trt.config import PAGE_SIZE
 from dsa_trt.plugins import cuda_ops
 
 HEADS, INDEX_HEADS, TOPK = 128, 64, 2048
-DENSE_FLASHMLA_US = {1: 84.0, 128: 7597.0}  # h200_peer_anchors.md, 128K, bf16 KV
+DENSE_FLASHMLA_US = {1: 84.0, 128: 7597.0}  # FlashMLA dense decode measured on the H200, 128K, bf16 KV
 PEERS_PIECES_US = {1: 98.0, 128: 1023.0}  # DeepGEMM logits + FlashInfer top-k + FlashMLA sparse
 TARGET_US = {1: 34.0, 128: 760.0}
 

@@ -1,12 +1,12 @@
 """Benchmark: paged fp8 indexer logits and fused top-k + page translation (our CUDA kernels).
 
-Method (as research/h200_peer_anchors.md): random inputs; before every timed call an L2 flush
+Method (the peers' published one; benchmarks/RESULTS.md): random inputs; before every timed call an L2 flush
 (bitwise_not_ over 256 MB); the call is captured once in a CUDA graph; 3 warm-ups; median of
 `--iters`. "µs" is the profiler's span of one replay (first kernel start to last kernel end, the
 peers' measure); "events µs" brackets the same replay with CUDA events (timing.time_both_us).
 Ceilings measured on this H200 kind: copy 4.3 TB/s, fp8 matmul 1377 TFLOP/s. "% roof" = the
 larger of (bytes / 4.3 TB/s, FLOPs / 1377 TFLOP/s) over the measured time. Each case counts
-FLOPs and bytes like the peer it is compared with (perf_anchors.md §2):
+FLOPs and bytes like the peer it is compared with (the peers' own counting functions):
 
 * paged decode logits (DeepGEMM fp8_paged_mqa_logits): FLOPs = 2*sum_len*H*D; bytes = q (bf16
   count, as DeepGEMM's test) + weights + sum_len*(D+4) + sum_len*4.

@@ -1,11 +1,11 @@
 """Benchmark: sparse MLA over the 576-byte fp8 pool (plugins/csrc/sparse_mla_fp8.cuh).
 
-Method (as research/h200_peer_anchors.md): random inputs (never zeros); before every timed call
+Method (the peers' published one; benchmarks/RESULTS.md): random inputs (never zeros); before every timed call
 an L2 flush (bitwise_not_ over 256 MB); the launch is captured once in a CUDA graph; 3 warm-ups;
 median of `--iters`. "µs" is the profiler's span of one replay (the FlashMLA anchors' measure);
 "events µs" brackets the same replay with CUDA events (timing.time_both_us).
 
-Counting, per case, as FlashMLA counts (research/perf_anchors.md §2), with our 576-byte rows
+Counting, per case, as FlashMLA counts (its benchmark's functions, named below), with our 576-byte rows
 where FlashMLA's layout has 656 (decode) or 1152 bf16 bytes (prefill):
 
 * decode (count_flop_and_mem_vol_for_decode): FLOPs = 2*h*(b*s_q*topk)*(576+512); bytes = q bf16
@@ -16,7 +16,7 @@ where FlashMLA's layout has 656 (decode) or 1152 bf16 bytes (prefill):
 
 Ceilings measured on this H200 kind: copy 4.3 TB/s, fp8 matmul 1377 TFLOP/s (the kernel's QK^T
 and PV run on fp8 tensor cores). "% roof" = max(FLOPs / 1377 TF, bytes / 4.3 TB/s) / time.
-The FlashMLA column is its measured time on the same GPU for the same shape (h200_peer_anchors.md:
+The FlashMLA column is its measured time on the same GPU for the same shape (measured once, quoted:
 sparse fp8 decode with its 656-B layout; sparse prefill with a bf16 KV).
 
 Small-T decode rows run split-KV (auto: the top-k list cut into chunks over one wave of SMs,

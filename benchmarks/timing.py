@@ -61,7 +61,7 @@ def kernel_span_us(run, flush, iters: int, flush_kernels: tuple[str, ...] = ("bi
     """Median over iters of the GPU span of one call: first kernel start to last kernel end, read
     from the CUDA profiler (CUPTI via torch.profiler), each call after flush() (a kernel whose name
     holds one of flush_kernels separates the calls). This is how the peers' anchors were measured
-    (h200_peer_anchors.md, "Timing method"). None if the profiler saw no kernel of the call."""
+    (the peers' published timing method). None if the profiler saw no kernel of the call."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 

@@ -1,4 +1,4 @@
-"""`make engine`: checkpoint -> calibrate -> export -> compile, one engine per rank (DESIGN §2).
+"""`make engine`: checkpoint -> calibrate -> export -> compile, one engine per rank (docs/architecture.md §2).
 
     python -m dsa_trt.builder.build --checkpoint DIR --out ENGINE_DIR [--tp 1] [--cache fp8]
 

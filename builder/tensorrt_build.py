@@ -1,4 +1,4 @@
-"""ONNX (builder/onnx_export.py) -> TensorRT plan, with our plugin library loaded (DESIGN §2).
+"""ONNX (builder/onnx_export.py) -> TensorRT plan, with our plugin library loaded (docs/architecture.md §2).
 
 Thin by design: everything decidable without TensorRT (the plugin contract of the graph, the
 optimisation-profile shapes, where the plugin library is) is plain Python below and is tested on

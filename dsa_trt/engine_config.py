@@ -1,4 +1,4 @@
-"""The engine-directory contract: what the builder writes and the runtime reads (DESIGN §2).
+"""The engine-directory contract: what the builder writes and the runtime reads (docs/architecture.md §2).
 
 engine_dir/
   engine_config.json        this schema

@@ -1,6 +1,6 @@
 """Read a DeepSeek-V3.2 / GLM-5 Hugging Face checkpoint: validate it whole, then read it lazily.
 
-The layout is the one of MODEL.md §2: fp8 e4m3 Linears with a fp32 ``weight_scale_inv`` of
+The layout is the one of the DeepSeek-V3.2 release: fp8 e4m3 Linears with a fp32 ``weight_scale_inv`` of
 [ceil(out/128), ceil(in/128)] blocks (the edge blocks may be partial), bf16 embeddings, router,
 indexer ``weights_proj`` and MTP ``eh_proj``/head, fp32 norms and biases; per-expert tensor names;
 the MTP layer stored as ``model.layers.{num_hidden_layers}``. A checkpoint without a
@@ -26,7 +26,7 @@ from dsa_trt.config import FP8_E4M3_MAX, ConfigError, ModelConfig
 SCALE_SUFFIX = "_scale_inv"  # "<name>.weight" -> "<name>.weight_scale_inv"
 INDEX_FILE = "model.safetensors.index.json"
 TOKENIZER_FILE = "tokenizer.json"
-FP8_SCALE_AMAX_FLOOR = 1e-4  # keeps all-zero blocks from producing a zero scale (MODEL.md §7.3)
+FP8_SCALE_AMAX_FLOOR = 1e-4  # keeps all-zero blocks from producing a zero scale
 
 FP8 = torch.float8_e4m3fn
 HIGH_PRECISION = (torch.bfloat16, torch.float32)  # any of these reads back exactly via get()
@@ -77,7 +77,7 @@ def is_mtp_tensor(cfg: ModelConfig, name: str) -> bool:
 
 # ---------------------------------------------------------------------------------- the layout
 def expected_tensors(cfg: ModelConfig) -> dict[str, TensorSpec]:
-    """Every tensor a checkpoint for ``cfg`` holds (MODEL.md §2), MTP layers included.
+    """Every tensor a checkpoint for ``cfg`` holds (the release's layout), MTP layers included.
 
     fp8 checkpoints (``cfg.fp8_weight_block`` set) store the quantizable Linears in e4m3 with a
     fp32 block scale; everything else, and every tensor of a checkpoint without quantization,
@@ -109,7 +109,7 @@ def expected_tensors(cfg: ModelConfig) -> dict[str, TensorSpec]:
             _moe_mlp(cfg, p + "mlp.", linear, vector)
         else:
             _swiglu(p + "mlp.", d, cfg.intermediate_size, linear)
-        if layer >= cfg.num_hidden_layers:  # MTP extras (MODEL.md §5)
+        if layer >= cfg.num_hidden_layers:  # MTP extras
             vector(p + "enorm.weight", d)
             vector(p + "hnorm.weight", d)
             linear(p + "eh_proj.weight", d, 2 * d, quantized=False)
@@ -159,7 +159,7 @@ def _moe_mlp(cfg: ModelConfig, p: str, linear, vector) -> None:
 def quantize_fp8_blockwise(
     weight: torch.Tensor, block: tuple[int, int] = (128, 128), pow2_scales: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """MODEL.md §7.3 recipe: per-block amax / 448, rounded up to a power of two for ue8m0.
+    """The release's recipe: per-block amax / 448, rounded up to a power of two for ue8m0.
 
     Returns (e4m3 weight [out, in], fp32 dequantization scale [ceil(out/bo), ceil(in/bi)])."""
     out_features, in_features = weight.shape

@@ -16,7 +16,7 @@ from dsa_trt.config import ModelConfig
 
 
 class RMSNorm(nn.Module):
-    """fp32 math, fp32 weight (spec §6), output in the input's dtype."""
+    """fp32 math, fp32 weight (docs/architecture.md §8), output in the input's dtype."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -30,7 +30,7 @@ class RMSNorm(nn.Module):
 
 
 class IndexerKNorm(nn.Module):
-    """The indexer's k_norm: a LayerNorm WITH bias (not an RMSNorm), eps 1e-6, fp32 (spec §8.2)."""
+    """The indexer's k_norm: a LayerNorm WITH bias (not an RMSNorm), eps 1e-6, fp32 (as the official reference)."""
 
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
@@ -69,7 +69,7 @@ def rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
 
 
 def rope_half_split(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """NeoX style (V3.2's indexer, spec §3.3): pairs (j, j + n) rotated by freq_j."""
+    """NeoX style (V3.2's indexer): pairs (j, j + n) rotated by freq_j."""
     n = x.shape[-1] // 2
     xf = x.float()
     c = cos.reshape(cos.shape[0], *([1] * (x.dim() - 2)), -1)
@@ -87,7 +87,7 @@ def hadamard_matrix(n: int) -> torch.Tensor:
 
 
 class SwiGLU(nn.Module):
-    """Dense FFN / one expert: down(silu(gate x) * up x); silu*up in fp32 (spec §4)."""
+    """Dense FFN / one expert: down(silu(gate x) * up x); silu*up in fp32 (docs/architecture.md §8)."""
 
     def __init__(self, dim: int, inter: int, dtype: torch.dtype):
         super().__init__()
@@ -101,7 +101,7 @@ class SwiGLU(nn.Module):
 
 
 class Router(nn.Module):
-    """Sigmoid + correction bias + group-limited top-k (spec §4); weights and math in fp32."""
+    """Sigmoid + correction bias + group-limited top-k (docs/architecture.md §8); weights and math in fp32."""
 
     def __init__(self, cfg: ModelConfig, num_experts: int):
         super().__init__()

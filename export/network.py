@@ -1,4 +1,4 @@
-"""Our DSA inference network over packed tokens and paged caches (DESIGN §2, spec §3-4).
+"""Our DSA inference network over packed tokens and paged caches (docs/architecture.md §2).
 
 One forward = one engine step: T packed tokens of B sequences (see runtime/step_inputs.py), the
 per-layer MLA and indexer pools as inputs that the cache-write ops update in place, logits for
@@ -39,7 +39,7 @@ CACHE_MODES = ("fp8", "bf16", "fp32")
 
 
 class Indexer(nn.Module):
-    """Lightning indexer (spec §3.3): q from c_q, k = LayerNorm(x Wk), RoPE on the first 64 dims."""
+    """Lightning indexer: q from c_q, k = LayerNorm(x Wk), RoPE on the first 64 dims."""
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
         super().__init__()
@@ -47,7 +47,7 @@ class Indexer(nn.Module):
         self.wq_b = linear(cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim, dtype)
         self.wk = linear(cfg.hidden_size, cfg.index_head_dim, dtype)
         self.k_norm = IndexerKNorm(cfg.index_head_dim)
-        # stored bf16, applied in fp32 to fp32 x (spec §8.5)
+        # stored bf16, applied in fp32 to fp32 x (docs/architecture.md §8)
         self.weights_proj = nn.Linear(cfg.hidden_size, cfg.index_n_heads, bias=False, dtype=torch.float32)
         self.weights_proj.weight.requires_grad_(False)
         self.register_buffer("hadamard", hadamard_matrix(cfg.index_head_dim), persistent=False)
@@ -87,7 +87,7 @@ class KVCacheQuantizerSlot(nn.Module):
 
 
 class DSAAttention(nn.Module):
-    """MLA with DSA (spec §3). Sparse path in the absorbed (MQA) form over the 576-d latent cache.
+    """MLA with DSA. Sparse path in the absorbed (MQA) form over the 576-d latent cache.
 
     Tensor parallel: this rank holds num_attention_heads / tp_size heads; the latent, the caches
     and the indexer are replicated; o_proj's output is a partial sum, all-reduced over the ranks.
@@ -234,4 +234,4 @@ class DSAForCausalLM(nn.Module):
         for layer, mla_pool, index_pool in zip(self.model.layers, mla_pools, index_pools):
             h = layer(h, cos, sin, meta, mla_pool, index_pool, self.cache_mode, self.dense_prefill)
         h = self.model.norm(h[logits_indices])
-        return F.linear(h.float(), self.lm_head.weight.float())  # lm_head in fp32 (spec §6)
+        return F.linear(h.float(), self.lm_head.weight.float())  # lm_head in fp32 (docs/architecture.md §8)

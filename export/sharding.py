@@ -1,4 +1,4 @@
-"""Tensor-parallel sharding of a checkpoint: a declarative HF-name -> shard-dim table (DESIGN §6).
+"""Tensor-parallel sharding of a checkpoint: a declarative HF-name -> shard-dim table (docs/architecture.md §7).
 
 Rank r of N holds:
 * MLA: heads [r*H/N, (r+1)*H/N): rows of q_b_proj and kv_b_proj (per head, contiguous), columns

@@ -1,7 +1,7 @@
 """The embedded default checkpoint: a tiny random DeepSeek-V3.2 (or GLM-5) in the real format.
 
-``write_tiny_checkpoint`` builds the MODEL.md §7.1 config with transformers, random-inits it
-from a seed, and writes it the way the real V3.2 release is stored (§2): fp8 e4m3 Linears with
+``write_tiny_checkpoint`` builds TINY_CONFIG (below) with transformers, random-inits it
+from a seed, and writes it the way the real V3.2 release is stored: fp8 e4m3 Linears with
 power-of-two (ue8m0) fp32 block scales, bf16/fp32 for the rest, per-expert names, the MTP layer
 as ``model.layers.3``, several shards plus an index, and a byte-level BPE tokenizer trained on
 ``data/corpus.txt``. Same seed, same bytes.
@@ -47,7 +47,7 @@ TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 MODEL_TYPES = ("deepseek_v32", "glm_moe_dsa")
 ARCHITECTURE = {"deepseek_v32": "DeepseekV32ForCausalLM", "glm_moe_dsa": "GlmMoeDsaForCausalLM"}
 
-# MODEL.md §7.1
+# The tiny model: the real one's dimensions scaled down, its DSA structure (MLA, indexer, MoE, MTP) kept
 TINY_CONFIG = dict(
     vocab_size=512,
     hidden_size=256,
@@ -90,7 +90,7 @@ TINY_CONFIG = dict(
     eos_token_id=1,
     num_nextn_predict_layers=1,
 )
-# MODEL.md §7.1, last paragraph; every layer keeps its own indexer (no shared layers)
+# GLM-5's differences from V3.2 at the tiny size; every layer keeps its own indexer (no shared layers)
 GLM_OVERRIDES = dict(
     index_n_heads=32,
     n_group=1,
@@ -109,7 +109,7 @@ QUANTIZATION_CONFIG = dict(
 NORM_WEIGHT_STD = 0.1  # RMSNorm / LayerNorm weights: 1 + N(0, 0.1)
 K_NORM_BIAS_STD = 0.1
 E_SCORE_BIAS_STD = 0.05
-# HF's 0.02 init gives nearly flat next-token logits (median top-2 gap 0.05, MODEL.md §8.13), so
+# HF's 0.02 init gives nearly flat next-token logits (median top-2 gap 0.05), so
 # greedy tests would flip on bf16 rounding. With a 0.3 lm_head the logits have std ~5 and the
 # median top-2 gap 1.2 (seed 0, random prompts; tests/test_checkpoint.py asserts > 0.5).
 LM_HEAD_STD = 0.3

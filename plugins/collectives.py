@@ -1,4 +1,4 @@
-"""Collectives of the tensor-parallel network as torch custom ops, namespace ``dsa`` (DESIGN §6).
+"""Collectives of the tensor-parallel network as torch custom ops, namespace ``dsa`` (docs/architecture.md §7).
 
 ``dsa::all_reduce(x, group_size)`` sums the row-parallel partial outputs (o_proj, dense and
 expert down projections) over the ranks of one engine. As a custom op it stays one node in the

@@ -1,4 +1,4 @@
-"""CUDA implementations of ``torch.ops.dsa.*`` through the kernel library's C API (DESIGN §3).
+"""CUDA implementations of ``torch.ops.dsa.*`` through the kernel library's C API (docs/architecture.md §4).
 
 The library (``build/libdsa_kernels.so``, built by ``make kernels``; ``DSA_KERNEL_LIB`` overrides
 the path) is loaded with ctypes; the params structs below mirror ``plugins/csrc/dsa_kernels.h``

@@ -1,4 +1,4 @@
-"""The DSA operators as torch custom ops, namespace ``dsa`` (DESIGN §3).
+"""The DSA operators as torch custom ops, namespace ``dsa`` (docs/architecture.md §4).
 
 Importing this module registers ``torch.ops.dsa.*`` with the plain-torch reference
 (plugins/reference.py) as the implementation for every device, plus fake (meta) kernels so

@@ -1,4 +1,4 @@
-"""Allocation of the paged dual caches in the layouts the DSA operators read (DESIGN §4)."""
+"""Allocation of the paged dual caches in the layouts the DSA operators read (docs/architecture.md §5)."""
 
 from __future__ import annotations
 

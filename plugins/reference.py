@@ -1,4 +1,4 @@
-"""Plain-torch implementations of the five DSA operators (DESIGN §3): the spec.
+"""Plain-torch implementations of the five DSA operators (docs/architecture.md §4): the spec.
 
 They run on any device and are the CPU implementation of ``torch.ops.dsa.*``. The CUDA kernels
 (plugins/csrc) and TensorRT plugins are tested against these semantics. Pools:
@@ -135,7 +135,7 @@ def topk_translate(
     cols = torch.arange(width, device=logits.device)
     masked = logits.masked_fill(cols[None, :] >= lengths[:, None].long(), float("-inf"))
     idx = masked.topk(kk, dim=-1).indices  # [rows, kk]
-    # -inf candidates beyond the length sort last; re-check validity by position (spec §8.11)
+    # -inf candidates beyond the length sort last; re-check validity by position (a -inf score is a valid key)
     valid = idx < lengths[:, None].long()
     pages = page_table.long()[req_idx.long()[:, None], idx // PAGE_SIZE]
     slots = torch.where(valid, pages * PAGE_SIZE + idx % PAGE_SIZE, -1)

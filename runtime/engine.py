@@ -1,4 +1,4 @@
-"""Engines: one per rank, ``forward(step, mla_pools, index_pools) -> logits`` (DESIGN §5).
+"""Engines: one per rank, ``forward(step, mla_pools, index_pools) -> logits`` (docs/architecture.md §6).
 
 ``Engine.load(engine_dir)`` opens the compiled programs of an engine directory: the general
 (sparse) program and the dense-prefill program, picked per step by ``StepInputs.dense_prefill``.

@@ -1,4 +1,4 @@
-"""`LLM(engine_dir).generate(prompts, params)`: the user-facing runtime API (DESIGN §5).
+"""`LLM(engine_dir).generate(prompts, params)`: the user-facing runtime API (docs/architecture.md §6).
 
 One LLM drives one engine over the paged dual caches with continuous batching. ``step()`` runs
 one engine step and returns the per-request deltas, which ``generate`` (batch, outputs in input

@@ -1,4 +1,4 @@
-"""The page pool and its prefix cache: which physical pages hold which tokens (DESIGN §4).
+"""The page pool and its prefix cache: which physical pages hold which tokens (docs/architecture.md §5).
 
 One page id names the slot of 64 consecutive tokens of one sequence in EVERY cache pool of
 every layer: the MLA latent entry (``mla_pools[l][page]``) and the indexer key entry
@@ -79,7 +79,7 @@ class PagePool:
 
     @classmethod
     def from_memory(cls, free_bytes: int, fraction: float, cache_bytes_per_token: int) -> "PagePool":
-        """Size the pool from free device memory after the engines load (DESIGN §4 Sizing).
+        """Size the pool from free device memory after the engines load (docs/architecture.md §5).
 
         cache_bytes_per_token: both pools, all layers (``ModelConfig.cache_bytes_per_token``).
         """

@@ -1,4 +1,4 @@
-"""Sampling parameters and the batched device sampler (DESIGN §5 Sampling).
+"""Sampling parameters and the batched device sampler (docs/architecture.md §6).
 
 Order of operations per row, as in vLLM: penalties -> temperature -> top-k -> top-p -> draw.
 Every parameter is a per-row tensor, so one batch mixes greedy, seeded and unseeded rows in the

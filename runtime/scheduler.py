@@ -1,4 +1,4 @@
-"""Continuous batching over the page pool: what runs each step (DESIGN §5 Scheduler).
+"""Continuous batching over the page pool: what runs each step (docs/architecture.md §6).
 
 Each schedule() packs, under a token budget: one token for every decoding request, then prefill
 chunks (running chunked prefills first, then new admissions in arrival order). When a running

@@ -1,4 +1,4 @@
-"""Per-step metadata: the one dataclass every engine's forward() takes (DESIGN §5).
+"""Per-step metadata: the one dataclass every engine's forward() takes (docs/architecture.md §3).
 
 A step packs T tokens from B sequences (prefill chunks and decode tokens mixed). Token t belongs
 to page-table row ``req_idx[t]``, sits at absolute position ``positions[t]``, sees the keys at

@@ -1,8 +1,8 @@
 """Independent float references for the kernel tests of the cache writes, indexer logits and top-k.
 
-Written from DESIGN §3-4 alone; it never imports dsa_trt (STYLE: the test reference never imports
-production code). Layouts: page of 64 tokens; MLA pool [P, 64, 576] (uint8 e4m3 or bf16); indexer
-pool fp8 [P, 64*132] uint8 = the page's 64x128 e4m3 keys, then its 64 fp32 scales; bf16 indexer
+Written from the operator contracts (docs/architecture.md §4-5) alone; it never imports dsa_trt
+(STYLE: the test reference never imports production code). Layouts: page of 64 tokens; MLA pool
+[P, 64, 576] (uint8 e4m3 or bf16); indexer pool fp8 [P, 64*132] uint8 = the page's 64x128 e4m3 keys, then its 64 fp32 scales; bf16 indexer
 pool [P, 64, 128].
 """
 

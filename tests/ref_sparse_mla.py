@@ -2,7 +2,7 @@
 
 Never imports dsa_trt. Two functions:
 
-* ``sparse_mla_ref``: the operator's semantics (DESIGN §3) in float64 on whatever inputs it is
+* ``sparse_mla_ref``: the operator's semantics (docs/architecture.md §4) in float64 on whatever inputs it is
   given: gather the 576-d latent rows by slot (-1 and out-of-range slots skipped), dequantise
   (e4m3 * kv_scale for a uint8 pool, as-is for a float pool), scores = sm_scale * q . kv,
   softmax over the selected keys, out = P . kv[:512]; lse natural log; a row with no valid slot

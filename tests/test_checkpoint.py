@@ -237,7 +237,7 @@ def test_glm_variant(tmp_path: Path) -> None:
 
 # ------------------------------------------------------------------------------ the reader
 def test_layout_table_matches_real_v32_tensor_count() -> None:
-    """MODEL.md §2: the real release holds 92,425 tensors."""
+    """The real DeepSeek-V3.2 release holds 92,425 tensors."""
     cfg = ModelConfig.from_hf_dict(
         dict(
             model_type="deepseek_v32", vocab_size=129280, hidden_size=7168, num_hidden_layers=61,

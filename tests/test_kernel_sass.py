@@ -4,8 +4,8 @@ nvidia-cuda-nvdisasm wheels of the test extras, or a cuobjdump on PATH).
 
 Global memory instructions on sm_90 name their memory descriptor as a 64-bit uniform register
 pair, desc[URn]: n is even. ptxas 13.0 can emit LDGSTS (cp.async) with desc[UR1] and never write
-UR1 when the copy carries an L2 cache policy (docs/2026-11-30-indexer-token-pairs.md,
-"Evict-first streams"); on the H200 that is an illegal instruction, which no CPU test would see.
+UR1 when the copy carries an L2 cache policy (docs/kernels.md,
+"Compiler constraints"); on the H200 that is an illegal instruction, which no CPU test would see.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ fp8 pool, three tiers (per output; tolerances next to each check with the reason
      P to e4m3) replayed in float64; what is left is fp32 accumulation order, ex2.approx, the
      rare e4m3 rounding flip those cause, and the bf16 output rounding.
   2. vs the operator's semantics on the same dequantised fp8 pool with unquantised bf16 q:
-     adds the q -> e4m3 quantisation error the fp8 kernel accepts (docs/sparse_mla_notes.md).
+     adds the q -> e4m3 quantisation error the fp8 kernel accepts (docs/kernels.md, "Sparse MLA").
   3. loose: vs an unquantised bf16 pool: adds the pool's own fp8 error.
 bf16 pool (exact mode): one tier vs the float64 reference.
 

@@ -7,7 +7,7 @@ Tolerances (max |logit difference|; the tiny model's logits reach ~|5|):
   (short prompts). The cached latent, rope key and indexer key are rounded to bf16 (rel. 2^-9)
   before every attention read; on longer prompts that flips near-tied selections, so there we
   bound top-1 agreement instead. The exact oracle mode is therefore fp32 caches, not bf16.
-* fp8 mode: no logit bound (spec §8.13: fp8 flips indexer selections and routing on a random
+* fp8 mode: no logit bound (docs/architecture.md §8: fp8 flips indexer selections and routing on a random
   model); we require top-1 agreement and indexer top-k recall above stated floors and report them.
 """
 
@@ -127,7 +127,7 @@ def test_bf16_cache_mode_within_tolerance(ckpt, hf_oracle, length):
 
 def test_bf16_cache_mode_long_prompt_agreement(ckpt, hf_oracle, capsys):
     """Past a few pages, bf16 rounding of the cached latents perturbs later layers' indexer scores
-    enough to flip near-tied top-k selections (spec §8.3, §8.13), and each flip moves the logits
+    enough to flip near-tied top-k selections (docs/architecture.md §8), and each flip moves the logits
     by O(1) on this random model: measured top-1 agreement 0.90-0.98 at T=100-200. Floor 0.85."""
     ids = _prompt(200, seed=13)
     ref = _hf_logits(hf_oracle, ids)
@@ -152,7 +152,7 @@ def test_fp8_mode_agreement(ckpt, hf_oracle, capsys):
     """fp8 caches + fp8 indexer against the fp32 oracle, reported per prompt length.
 
     e4m3 keeps 3 mantissa bits (rel. error up to 2^-4), so even without selection flips the
-    logits move by a few percent; past index_topk, flips compound (spec §8.13: fp8 changes the
+    logits move by a few percent; past index_topk, flips compound (docs/architecture.md §8: fp8 changes the
     selected set on 22-73% of indexer rows of this kind of random model). Floors: at T <= k
     (no selection) rel. L2 <= 0.1 and top-1 >= 0.75 (16 rows: one flip is 6%); at any length top-1 >= 0.4 (chance is
     1/512; a wrong scale or byte layout lands near chance)."""

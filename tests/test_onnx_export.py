@@ -585,7 +585,7 @@ def tensorrt_or_skip() -> None:
         import tensorrt as trt
     except ImportError as e:
         pytest.skip(f"`import tensorrt` fails ({e}): the TensorRT builder is not installable on the development "
-                    "machines (DESIGN.md §2); these tests run where it is (e.g. NGC containers)")
+                    "machines; these tests run where it is (e.g. NGC containers)")
     if not hasattr(trt, "Builder"):
         pytest.skip("the `tensorrt` module found is not TensorRT's Python package (no trt.Builder)")
     if not torch.cuda.is_available():

@@ -1,4 +1,4 @@
-"""Tensor parallelism (DESIGN §6) on the CPU: two ranks over gloo equal one rank.
+"""Tensor parallelism (docs/architecture.md §7) on the CPU: two ranks over gloo equal one rank.
 
 * The sharding table slices every checkpoint tensor so that the shards put back together are
   the full tensor, and each rank's network takes exactly its shards.

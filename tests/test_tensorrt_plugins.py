@@ -12,7 +12,7 @@
     dynamic-shape profile, run at two shapes, compared with dsa_trt.plugins.reference (and bitwise
     with the same kernel called directly through dsa_trt.plugins.cuda_ops). They need
     ``import tensorrt`` and a CUDA GPU, and skip elsewhere: the full TensorRT builder is not
-    installable on the development machines (DESIGN.md §2).
+    installable on the development machines.
 """
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ def import_tensorrt():
         import tensorrt as trt
     except ImportError as e:
         pytest.skip(f"`import tensorrt` fails ({e}): the full TensorRT builder is not installable here "
-                    "(DESIGN.md §2); these engine tests run on machines with TensorRT (e.g. NGC containers)")
+                    "here; these engine tests run on machines with TensorRT (e.g. NGC containers)")
     if not hasattr(trt, "Builder"):
         pytest.skip("the `tensorrt` module found is not TensorRT's Python package (no trt.Builder)")
     return trt

@@ -1,4 +1,4 @@
-// DSA-TRT kernels: the two cache writes (DESIGN.md §3-4, plugins/reference.py).
+// DSA-TRT kernels: the two cache writes (docs/architecture.md §4-5, plugins/reference.py).
 //
 //   dsa_launch_mla_cache_write        bf16 [T,512] + [T,64] -> pool row of 576 e4m3 bytes
 //                                     (e4m3(x / kv_scale), saturated to +-448) or 576 bf16.

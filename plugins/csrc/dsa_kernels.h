@@ -1,4 +1,4 @@
-// DSA-TRT kernel library: the plain C launch API of the DSA operators (DESIGN.md §3).
+// DSA-TRT kernel library: the plain C launch API of the DSA operators (docs/architecture.md §4).
 //
 // Device code knows nothing of torch or TensorRT. Each operator has one params struct of raw
 // pointers, sizes and strides, and one launcher `dsa_launch_<op>(const Params*, cudaStream_t)`.

@@ -1,5 +1,5 @@
 // DSA-TRT kernel library: the real-size linear operators, fp8 block-scaled linear and routed MoE
-// experts (the numerics of the official reference, spec/MODEL.md §6). Same conventions as
+// experts (the numerics of the official reference, docs/architecture.md §8). Same conventions as
 // dsa_kernels.h (included from there): params struct + stream, 0 or a negative DSA_ERR_* code,
 // no allocation and no host synchronisation in a launcher (CUDA-graph safe).
 //

@@ -1,4 +1,4 @@
-// DSA-TRT kernels: paged indexer logits (DESIGN.md §3, plugins/reference.py indexer_logits).
+// DSA-TRT kernels: paged indexer logits (docs/architecture.md §4, plugins/reference.py indexer_logits).
 //
 //   logits[t, s] = sum_h w[t,h] * relu(q[t,h] . k[s]) * k_scale[s]   s < seq_len[t]
 //                = -inf                                               seq_len[t] <= s < max_pages*64
@@ -14,9 +14,9 @@
 //   TT = 2 (the launcher's choice when there are more tokens than requests but fewer than 64 per
 //     request: MTP decode, steps mixing decode and prefill, short prefills): consecutive tokens
 //     of one request share every page they both see, so a page is copied and read once per pair
-//     (one token per CTA re-read each page per token: prefill 4096 x 32K took 2858 us, pairs
-//     2163). What bounds the pair kernel is shared memory (ncu: L1 76%, tensor pipe 49%, issue 47%): per page-pair the wgmma reads q,
-//     16 KB, as its B operand, and the keys pass through shared memory twice (cp.async in, LDS
+//     (one token per CTA re-reads each page per token). What bounds the pair kernel is shared
+//     memory (ncu: L1 busier than the tensor pipe or the issue slots): per page-pair the wgmma
+//     reads q, 16 KB, as its B operand, and the keys pass through shared memory twice (cp.async in, LDS
 //     out: 16.5 KB), ~260 cycles at 128 B/cycle against 256 cycles of QGMMA. A pair whose tokens
 //     belong to different requests (a request boundary) runs two passes, one per token.
 // Token groups (64 or more tokens per request on average: prefill): indexer_logits_group_kernel
@@ -56,8 +56,8 @@ struct Fp8Shape {
 template <int H, int TT>
 __global__ void __launch_bounds__(kThreads, (Fp8Shape<H, TT>::kMinCtasPerSm))
     indexer_logits_fp8_kernel(const DsaIndexerLogitsParams p, const PageSplits splits, const uint64_t l2_policy) {
-  // (4 tokens per CTA, N = 256, fit 2 CTAs per SM and took 2265 us on the prefill shape against
-  // 2163 for pairs at 3 CTAs per SM: fewer warps to hide the wgmma and shared-memory latency.)
+  // Two tokens, not four: 4 tokens per CTA (N = 256) fit 2 CTAs per SM instead of 3, too few warps
+  // to hide the wgmma and shared-memory latency (slower on the prefill shape).
   static_assert(TT == 1 || TT == 2, "one or two tokens per CTA");
   dsa_pdl_wait();
   extern __shared__ uint8_t smem_raw[];
@@ -252,19 +252,17 @@ __global__ void __launch_bounds__(DSA_PAGE_SIZE) indexer_logits_bf16_kernel(cons
 // Shared-memory traffic per page and 8 tokens (H = 64): the copy writes 8.25 KB, each consumer's
 // wgmmas read the keys twice (16 KB) and its 4 tokens' q once (32 KB): 104 KB per 8.4 MFLOP,
 // against 130 KB for the pair kernel's 4 page-pairs (cp.async + LDS of the keys, q as B per pair).
-// H200, prefill 4096 x 32K: 2121 us with pairs, 1864-1899 here (DeepGEMM's non-paged kernel: 1817).
-// Tried and not kept (same call): ping-pong across pages (pair 0 of page j + 1 issued before
-// pair 1 of page j is reduced, in runs of 4 or 8 pages so nothing is in flight across the loop's
-// back edge, which makes ptxas serialise every wgmma): 1900-1925 us; one m64n(4H) wgmma group
-// per page instead of two pairs: 1917 us.
+// Neither ping-pong across pages (pair 0 of page j + 1 issued before pair 1 of page j is reduced)
+// nor one m64n(4H) group per page was faster; a commit group in flight across the loop's back
+// edge also makes ptxas serialise every wgmma (docs/kernels.md, "Compiler constraints").
 // The scores differ from the decode path's in the last bits (K is summed in natural order here, in
 // indexer_tile.cuh's permuted order there); a token's scores do not depend on which group or
 // position it lands in (tested).
 constexpr int kGroupTokens = 8;    // tokens per CTA, 4 per consumer warpgroup
 // The launcher's threshold. A decode token in a group costs a pass of its own (~2.7 us more than
-// in a pair at 32K), a prefill token ~0.06 us less: H200, 64 decode tokens + a 2048-token chunk at
-// 32K took 1256-1271 us in groups, 1215 in pairs (+ a 512-token chunk: 465-471 / 413), while
-// prefill 4096 x 32K took 1870-1882 / 2126-2275 and 4 x 1024 tokens x 8K 522-525 / 608.
+// in a pair at 32K), a prefill token ~0.06 us less, so groups win only when prefill tokens
+// outnumber decode tokens ~45 to 1; at 64 tokens per request every measured shape takes its
+// faster kernel (docs/kernels.md, "Indexer logits").
 constexpr int64_t kGroupMinTokensPerRequest = 64;
 constexpr int kGroupStages = 8;    // page ring
 constexpr int kGroupThreads = 3 * kWgThreads;
@@ -290,8 +288,8 @@ __global__ void __launch_bounds__(kGroupThreads, 1)
   const int tid = threadIdx.x, lane = tid & 31;
   // Groups in token order: a step's decode tokens come first (runtime/scheduler.py), and their
   // groups, one pass per request, are the longest CTAs. (The last groups first, longest first in a
-  // causal prefill, gave 4 requests x 1024 tokens x 8K 491-500 us against 506, but put those CTAs
-  // in the last wave of a mixed step.)
+  // causal prefill, helps a pure prefill a little but puts those CTAs in the last wave of a mixed
+  // step.)
   const int64_t t0 = (int64_t)blockIdx.x * kGroupTokens;
   const int max_cols = p.max_pages * DSA_PAGE_SIZE;
   const int p_begin = blockIdx.y * pages_per_cta;
@@ -412,7 +410,7 @@ __global__ void __launch_bounds__(kGroupThreads, 1)
   // Page j of the CTA: wait for its stage. No proxy fence between the copies' arrival and the
   // wgmmas: cp.async wrote the stage, and FlashAttention-3's paged (non-TMA) K loads hand cp.async
   // data to wgmma through the mbarrier alone too. A fence here (ptxas: MEMBAR.ALL.CTA, which waits
-  // for this thread's logits stores) cost 1.2%: 1878 -> 1901-1917 us on the prefill shape.
+  // for this thread's logits stores) costs ~1% on the prefill shape.
   auto stage_ready = [&](int j) {
     const int st = j % kGroupStages;
     ptx::mbar_wait(&sm.full[st], (j / kGroupStages) & 1);
@@ -493,19 +491,15 @@ int num_sms() {
 }
 
 // Pages per CTA for `groups` token groups over max_pages pages with `resident` CTAs on the GPU
-// at once (measured on the H200, benchmarks/RESULTS.md):
+// at once (docs/kernels.md, "Indexer logits"):
 //   TT = 1 (decode, memory bound): the work spread over every resident CTA, at most 16 pages per
-//     CTA. Many short CTAs balance the SMs through the block scheduler: at 128K, B = 128, 16 pages
-//     per CTA took 579 us, 32 pages 584, one wave of 410 pages 614. Rounded up to a power of two
+//     CTA. Many short CTAs balance the SMs through the block scheduler (fewer, longer CTAs and one
+//     wave of long CTAs were slower at 128K, B = 128). Rounded up to a power of two
 //     (power-of-two page counts split evenly: no CTA left with a sliver of pages), and at most 8
-//     for a grid of fewer than two waves (smaller CTAs even out its tail). H200 A/B in one call,
-//     us: B=32 x 32K 44.0-45.1 -> 42.6-43.4, B=8 x 32K 14.0-14.3 -> 13.3-13.7, B=4 x 128K
-//     24.4-24.9 -> 24.1-24.5, the rest unchanged (the sweep behind it:
-//     docs/2026-11-30-indexer-token-pairs.md, "Read floors and pages per CTA").
+//     for a grid of fewer than two waves (smaller CTAs even out its tail).
 //   TT = 2 (pairs, compute bound): a grid of N CTAs of ppc pages takes about ceil(N / resident)
 //     waves of (ppc + ~2 pages of per-CTA cost: q staging, the first pages' latency); the cheapest
-//     split wins (the fewest CTAs on a tie). Prefill 4096 x 32K: 2401 us against 2476 for 32
-//     pages per CTA. Splits with more than max_ppc pages per CTA are left out (token groups:
+//     split wins (the fewest CTAs on a tie). Splits with more than max_ppc pages per CTA are left out (token groups:
 //     launch_group).
 constexpr int kMaxDecodePagesPerCta = 16;
 constexpr int kCtaFixedPages = 2;
@@ -535,12 +529,8 @@ int64_t pages_per_cta(int64_t groups, int max_pages, int64_t resident, int64_t m
 // past one wave of resident CTAs, the request's last pages in CTAs of a quarter of that (at least
 // 1), as many per request as make one wave in all. Those CTAs start last, so the grid's tail is
 // made of them; a CTA's time is mostly its fixed latency (page ids, then the first page ~3.5 us
-// after its copy), so smaller last CTAs end the grid sooner. H200, profiler spans, us, uniform ->
-// this plan (same calls): B=32 x 32K 42.6-43.9 -> 41.1-41.5 (one sample 42.5), B=4 x 128K
-// 24.3-24.8 -> 23.1-23.7, B=64 x 64K 147.8-148.6 -> 145.9-146.9, B=32 x 128K 148.4-149.1 ->
-// 146.9-147.8, B=128 x 128K 562.6-563.8 -> 560.9-561.7; one wave or less unchanged. (Halves at
-// B=32 x 32K: 42.1-42.9; eighths 41.7-42.3; two waves of quarters 41.6-41.8.
-// docs/2026-11-30-indexer-token-pairs.md, thirteenth session.)
+// after its copy), so smaller last CTAs end the grid sooner. Quarters in one wave measured best
+// against halves, eighths and two waves of quarters; grids of one wave or less are unchanged.
 PageSplits decode_splits(int64_t groups, int max_pages, int64_t resident, int64_t* count) {
   const int ppc = (int)pages_per_cta<1>(groups, max_pages, resident);
   const int64_t uniform = dsa_ceil_div(max_pages, ppc);
@@ -590,9 +580,8 @@ int launch_fp8(const DsaIndexerLogitsParams& p, cudaStream_t stream) {
 // Token groups (prefill): one CTA per SM (registers), pages per CTA by the waves cost model. A
 // group spanning several requests runs one pass per request, so a CTA of decode tokens of 8
 // requests (a step mixing decode with a prefill chunk) does up to 8 passes over its pages: its
-// pages are capped so that such a CTA takes no more than an SM's share of the one-pass work.
-// (64 decode tokens and a 2048-token chunk at 32K: 2508 us uncapped, most of it the 8 CTAs of
-// decode groups after the prefill's.)
+// pages are capped so that such a CTA takes no more than an SM's share of the one-pass work
+// (uncapped, the 8-pass CTAs of decode groups ran after the prefill's and doubled the step).
 template <int H>
 int launch_group(const DsaIndexerLogitsParams& p, cudaStream_t stream) {
   constexpr size_t kSmem = sizeof(GroupSmem<H>) + 1024;  // + slack to align to 1024

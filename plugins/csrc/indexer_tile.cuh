@@ -119,8 +119,8 @@ __device__ __forceinline__ void cp_async_wait() {
   "cp.async.ca.shared.global" H ".L2::128B [%8], [%9], 4" P ";\n"
 // This thread's chunks of pool page `page` -> ring stage `stage` (not committed). The .L2::128B
 // prefetch-size hint makes each L2 miss fetch the whole 128-byte line, not only the sectors of the
-// request (the lanes of a copy cover 64 bytes of each of 8 rows): H200, decode 128K B = 128
-// 583 -> 560 us, B = 32 154 -> 149 (.L2::256B: 566 / 150; no hint 583 / 154; profiler spans).
+// request (the lanes of a copy cover 64 bytes of each of 8 rows); measured faster on the decode
+// shapes than no hint or .L2::256B.
 // kPolicy: the copies carry r.policy (decode: kL2EvictFirst, each page is read once); without it
 // they take the default priority (token pairs re-read a request's pages for its other pairs).
 template <bool kPolicy>
@@ -160,7 +160,7 @@ __device__ __forceinline__ PageFrag ring_read(const PageRing& r, int stage) {
 
 // q of one token [H, 128] e4m3 -> shared (H x 128 bytes, 1024-byte aligned), K-permuted, 128-byte
 // swizzled rows (row = head), by kThreads threads. All 16-byte loads are issued before any store
-// (a load-store loop here cost ~10 us of serial latency per CTA). Physical word wi of chunk ch of
+// (a load-store loop serialises their latencies per CTA). Physical word wi of chunk ch of
 // row h is logical word 8*s + 4*hh + c with c = ch & 3, s = 2*(ch >> 2) + (wi >> 1), hh = wi & 1.
 // The caller fences (fence.proxy.async) and synchronises before the first wgmma.
 template <int H, int kThreads>

@@ -1,4 +1,4 @@
-// DSA-TRT kernels: decode indexer logits fused with top-k + page translation (DESIGN.md §3;
+// DSA-TRT kernels: decode indexer logits fused with top-k + page translation (docs/architecture.md §4;
 // dsa_kernels.h DsaIndexerTopk). Returns what topk_translate(indexer_logits(...)) returns, without
 // the [T, S] fp32 logits in memory.
 //
@@ -37,14 +37,11 @@
 //                             + kTopkFixedUs + T * max_len * 4 / kTopkBytesPerUs
 // and the cheaper runs. A few tokens get wide clusters (C = 16, W = 4: 64 warpgroups stream one
 // token, about what indexer_logits reaches at B = 1), a batch gets the narrowest shape that holds
-// its keys (at 128K: C = 4, W = 2, ~32 tokens per wave). The fused constants are fitted to the
-// H200 (benchmarks/RESULTS.md, first 2026-11-30 run: fused 45.5 / 231 / 784 us at B = 1 / 32 / 128
-// x 128K and 78.6 us at B = 32 x 32K); the top-k ones to the one-sweep select of the second
-// 2026-11-30 run (17.6 us for one 128K row, 35 / 54 us for 64 / 128 rows). With the new select
-// the fused kernel measures 43.5 / 208 / 697 / 77 us and the two kernels 28 / 196 / 646 / 70:
-// the select of a wave still runs after the memory-bound scoring of the whole wave (one CTA per
-// SM, and every CTA of a wave reaches its select at the same time), so AUTO picks the two kernels
-// at 128K. With workspace == NULL, AUTO is fused whenever a fused shape fits. Calibrate the
+// its keys (at 128K: C = 4, W = 2, ~32 tokens per wave). The constants are fitted to the H200's
+// measured fused and two-kernel times (benchmarks/RESULTS.md, "Fused logits + top-k"). The select
+// of a wave runs after the memory-bound scoring of the whole wave (one CTA per SM, and every CTA
+// of a wave reaches its select at the same time), so AUTO picks the two kernels at 128K. With
+// workspace == NULL, AUTO is fused whenever a fused shape fits. Calibrate the
 // constants with benchmarks/bench_indexer_topk.py, which times both paths.
 #include <math.h>
 #include <stdio.h>
@@ -184,12 +181,12 @@ __global__ void __launch_bounds__(kWgThreads * W, 4 / W)
 
 // ---------------------------------------------------------------- host: shapes, plan, launch
 // Cost model constants (see the header comment), in bytes per microsecond and microseconds.
-constexpr double kHbmBytesPerUs = 3.6e6;          // the logits kernel's rate at B >= 32 (RESULTS.md)
-constexpr double kWgBytesPerUs = 17e3;            // one fused warpgroup (B = 1: 64 warpgroups, ~18 us)
+constexpr double kHbmBytesPerUs = 3.6e6;          // the logits kernel's rate at B >= 32
+constexpr double kWgBytesPerUs = 17e3;            // one fused warpgroup's streaming rate
 constexpr double kFusedWaveUs = 28.0;             // select + emit of a wave of clusters, launch
 constexpr double kSelectUsPerKeyPerThread = 0.094; // the select's sweeps, per key of a thread's slice
-constexpr double kLogitsFixedUs = 10.0;           // logits kernel at B = 1 (14 us at 128K)
-constexpr double kTopkFixedUs = 15.0;             // top-k kernel: fixed part (17 us for one 128K row)
+constexpr double kLogitsFixedUs = 10.0;           // logits kernel: fixed part
+constexpr double kTopkFixedUs = 15.0;             // top-k kernel: fixed part
 constexpr double kTopkBytesPerUs = 1.7e6;         // top-k kernel: rows x width x 4 B at ~1.7 TB/s (64 / 128 x 128K)
 
 constexpr int kClusterSizes[] = {1, 2, 4, 8, 16};

@@ -1,6 +1,6 @@
 // DSA-TRT sparse MLA, bf16 pool (the exact-comparison mode): a plain fp32 CUDA-core kernel.
 //
-// Correctness path only (DESIGN.md §3: bf16 mode matches the HF oracle); the deployed fp8 pool
+// Correctness path only (docs/architecture.md §8: the exact mode matches the HF oracle); the deployed fp8 pool
 // runs the wgmma kernel. One warp per (token, head), 8 heads per CTA sharing each staged tile
 // of 16 latent rows; lane l owns dims l + 32i. Online softmax in natural-log fp32, like the
 // reference.

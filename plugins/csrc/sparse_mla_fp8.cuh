@@ -19,7 +19,7 @@
 // probabilities down to ~2^-14 of the row max in the normal range; the 2^8 cancels in O / l. The
 // running max m is the exact max (the row's dominant P is exactly 2^8, no e4m3 rounding), so a
 // split-KV chunk, with its own max, rounds its P differently from the unsplit run: split and
-// unsplit agree to fp8 noise, not bitwise (docs/sparse_mla_notes.md, "Running max").
+// unsplit agree to fp8 noise, not bitwise (docs/kernels.md, "Sparse MLA").
 //
 // Warp roles (384 threads, one CTA per SM, ~217 KB shared memory):
 //   WG0 producer  warps 0-1 load each tile's 64 slots and gather its rows with 16-byte cp.async
@@ -38,7 +38,7 @@
 // expects K positions 4q..4q+3; the transpose writes V^T with the same key order, so the
 // product is unchanged and no shuffles are needed. It also writes the 512 output dims in a
 // permuted row order (even dims, then odd dims, per 16) that the epilogue undoes. Details and
-// the cycle budget: docs/sparse_mla_notes.md.
+// the accuracy: docs/kernels.md, "Sparse MLA".
 #pragma once
 
 #include <cuda_bf16.h>
@@ -368,7 +368,7 @@ __device__ __forceinline__ void consumer(Fp8Smem& sm, const DsaSparseMlaParams& 
     for (int rh = 0; rh < 2; ++rh) {
       mx[rh] = fmaxf(mx[rh], __shfl_xor_sync(0xffffffffu, mx[rh], 1));
       mx[rh] = fmaxf(mx[rh], __shfl_xor_sync(0xffffffffu, mx[rh], 2));
-      // exact max, not rounded: the dominant P stays exactly 2^8 in e4m3 (docs/sparse_mla_notes.md)
+      // exact max, not rounded: the dominant P stays exactly 2^8 in e4m3 (docs/kernels.md)
       const float m_new = fmaxf(m_run[rh], mx[rh] * f[rh]);  // f > 0: -inf stays -inf
       alpha[rh] = m_run[rh] == -INFINITY ? 0.f : ex2(m_run[rh] - m_new);
       bias[rh] = m_new == -INFINITY ? 0.f : kPOffset - m_new;

@@ -10,7 +10,7 @@
 // (exact, unrounded) running max, so its P = 2^(z - m_chunk + 8) rounds to e4m3 differently from
 // the unsplit run's; the lse-weighted merge is exact math (flash-decoding). Split and unsplit runs
 // therefore agree to fp8 noise, not bitwise; tests/test_kernels_sparse_mla.py checks a split run
-// against a per-chunk float64 replay combined by lse (docs/sparse_mla_notes.md, "Running max").
+// against a per-chunk float64 replay combined by lse (docs/kernels.md, "Sparse MLA").
 #include <cuda_bf16.h>
 #include <math.h>
 
@@ -29,9 +29,8 @@ constexpr int kCombineThreads = kVDim / 4;  // 128: one (token, head) row per CT
 // latent in that chunk) makes the row NaN, as in the unsplit kernel.
 // Latency bound at small T (b = 1: 128 rows x 32 chunks, 4 MB of partials in L2): lane s of every
 // warp loads chunk s's lse, and each thread issues all its chunks' partial loads before it uses
-// any, so a row costs two memory latencies. H200, b = 1: the combine ends ~2.6 us after the split
-// kernel (grid drain and launch included); 5.8 with the loop of dependent loads it replaced (four
-// in flight per thread) and fp32 partials.
+// any, so a row costs two memory latencies (a loop of dependent loads, a few in flight per thread,
+// put the combine on the critical path at b = 1).
 __global__ void __launch_bounds__(kCombineThreads)
     sparse_mla_combine_kernel(const DsaSparseMlaParams p, const SplitPlan plan) {
   static_assert(kMaxSplits <= 32, "one chunk per lane");

@@ -1,7 +1,7 @@
 // DSA-TRT sparse MLA, fp8 pool: device primitives (PTX wrappers) shared by the fp8 kernel.
 //
 // Everything here is sm_90a (wgmma, setmaxnreg, stmatrix). Layout notes are in
-// docs/sparse_mla_notes.md; the kernel itself is sparse_mla_fp8.cuh.
+// docs/kernels.md, "Sparse MLA"; the kernel itself is sparse_mla_fp8.cuh.
 #pragma once
 
 #include <cuda_runtime.h>

@@ -129,7 +129,7 @@ void expectSameDim(nv::Dims const& a, int32_t ai, char const* ta, nv::Dims const
 // Products that the kernels index with int32 (slot ids, page table entries) must fit int32.
 void expectInt32(int64_t value, char const* what);
 
-// The two pools (DESIGN.md §4), checked against their cache format and declared dtype:
+// The two pools (docs/architecture.md §5), checked against their cache format and declared dtype:
 //   MLA pool      fp8 [P, 64, 576 bytes]      bf16 [P, 64, 576]
 //   indexer pool  fp8 [P, 64 * 132 bytes]     bf16 [P, 64, 128]
 // "bytes" = extent in elements of the byte carrier. Both return P (-1 while unknown at build).

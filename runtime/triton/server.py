@@ -1,4 +1,4 @@
-"""Start the `tritonserver` bundled in the PyTriton wheel on a model repository (research §6d).
+"""Start the `tritonserver` bundled in the PyTriton wheel on a model repository (docs/architecture.md §6).
 
 The wheel ships the server (2.51), the python backend and one backend stub per Python version, but
 not the stub in the backend folder: like PyTriton, we assemble a backend directory next to the
