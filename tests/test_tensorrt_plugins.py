@@ -580,7 +580,8 @@ def test_one_operator_engine(trt_env, name, via):
 
 
 @pytest.mark.gpu
-@pytest.mark.xfail(strict=False, reason="TensorRT documents kUINT8 as unsupported for plugin I/O "
-                   "(PluginTensorDesc::type); PLUGINS.md recommends the INT32 carrier. XPASS means it works.")
+@pytest.mark.xfail(strict=True, reason="TensorRT documents kUINT8 as unsupported for plugin I/O "
+                   "(PluginTensorDesc::type), so the engine build must fail; an XPASS fails this test: TensorRT "
+                   "then accepts UINT8 pools and PLUGINS.md's carrier table (and this test) must change")
 def test_uint8_pool_carrier(trt_env):
     run_case(trt_env, cache_write_case("mla", "fp8", "uint8"), "network_api", graph_replay=False)
