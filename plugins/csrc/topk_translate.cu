@@ -1,4 +1,4 @@
-// DSA-TRT kernels: fused top-k + page translation (DESIGN.md §3, plugins/reference.py
+// DSA-TRT kernels: fused top-k + page translation (docs/architecture.md §4, plugins/reference.py
 // topk_translate).
 //
 // For each row r with L = lengths[r] candidates: the k largest of logits[r, 0:L) (any order),
@@ -121,9 +121,8 @@ __global__ void __launch_bounds__(kThreads, kMaxCtasPerSm) topk_translate_kernel
   __syncthreads();
   if constexpr (kSource == kCachedKeys) {
     // cp.async straight into the cache, kAhead vectors in flight per thread while the histogram of
-    // the oldest is built (converted to keys in place): H200, 1 x 128K 14.1 -> 13.5 us, 1 x 32K
-    // 13.7 -> 12.5 against register loads in batches of 8. (A per-thread ring of the same kind for
-    // the uncached slices was slower: 64 x 128K 32.5 -> 33.6, 128 x 128K 51.5 -> 54.3.)
+    // the oldest is built (converted to keys in place): faster than register loads in batches of 8.
+    // (A per-thread ring of the same kind for the uncached slices was slower.)
     constexpr int kAhead = 8;
     const int n_it = (nvec + kThreads - 1) / kThreads;
     const float4* src4 = reinterpret_cast<const float4*>(src);
@@ -177,7 +176,7 @@ struct Plan {
 };
 
 // Cluster size: one CTA per SM is fastest (the select is issue- and latency-bound, and two CTAs
-// on an SM compete for its issue slots; 2026-11-30 H200 runs), so the widest C (a power of two
+// on an SM compete for its issue slots), so the widest C (a power of two
 // up to 16) with rows * C <= SMs, at least 1. The slice is cached in shared memory when it fits,
 // unless the sampled select is faster for the shape (below).
 // DSA_TOPK_CLUSTER=C forces the cluster size (benchmarks, experiments).
@@ -194,16 +193,14 @@ Plan make_plan(int64_t rows, int max_len, int k, bool aligned) {
   int c = 1;
   while (c < kMaxCluster && rows * (2 * c) <= sms) c *= 2;
   // A large batch whose rows do not fit in shared memory: two CTAs per SM hide the re-read better
-  // (128 x 128K: 53.5 us at C = 2, 60.2 at C = 1; 128 x 32K, cached: 23.0 at C = 1, 31.7 at C = 2).
+  // (128 x 128K is faster at C = 2 than at C = 1; a cached 128 x 32K is not).
   if (c == 1 && !fits(1) && rows <= 2 * sms) c = 2;
   if (forced) c = forced;
   const int chunk = chunk_of(c);
   // Slices of >= 16K keys over clusters of 4 or 8 CTAs: the sampled select reading the slice
-  // once from global memory beats caching it (H200, uncached / cached µs: 32 x 128K at C = 4
-  // 25.9 / 36.0, indexer-like rows 26.1 / 44.9; 16 x 128K, C = 8, 22.6 / 28.1; 32 x 64K, C = 4,
-  // 21.8 / 27.0). Elsewhere caching wins: 8 x 128K (C = 16) 24.1 / 18.0, 64 x 64K (C = 2) 23.4 /
-  // 20.5, 128 x 32K (C = 1) 23.0 / 20.0, 32 x 32K (C = 4, slices of 8K) in the decode chain 69.0 /
-  // 63.6. DSA_TOPK_CACHE=0 / 1 forces it either way (experiments).
+  // once from global memory beats caching it; elsewhere (clusters of 1, 2 or 16, slices of 8K)
+  // caching wins (measured both ways: benchmarks/RESULTS.md, "Top-k plan"). DSA_TOPK_CACHE=0 / 1
+  // forces it either way (experiments).
   static const int cache_mode = [] {
     const char* e = getenv("DSA_TOPK_CACHE");
     return e && (e[0] == '0' || e[0] == '1') ? e[0] - '0' : -1;
