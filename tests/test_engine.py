@@ -65,7 +65,7 @@ def test_compiled_engine_equals_eager_network(request, tiny_ckpt, which):
 def test_teacher_forced_greedy_compiled_vs_eager(fp8_engine, tiny_ckpt):
     """The GPU check of tests/test_gpu_engine.py (compiled engine vs eager network, teacher-forced
     greedy tokens within measured noise) on the CPU fp8 engine, so its logic runs in CI too."""
-    from engine_checks import teacher_forced_greedy
+    from tests.helpers.engine_checks import teacher_forced_greedy
 
     t = teacher_forced_greedy(fp8_engine, tiny_ckpt, "cpu", torch.float32, steps_per_prompt=6)
     assert t["steps"] == 3 * 7 and t["same"] + t["near_ties"] == t["steps"] and t["worst_rel"] < 3e-2

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import requires_cuda
-from engine_checks import PROMPTS, STEPS, teacher_forced_greedy
+from tests.conftest import requires_cuda
+from tests.helpers.engine_checks import PROMPTS, STEPS, teacher_forced_greedy
 
 pytestmark = [requires_cuda, pytest.mark.gpu]
 

@@ -1,5 +1,5 @@
 """CUDA kernels of the cache writes, indexer logits and fused top-k + translation (plugins/csrc)
-against the independent references in tests/ref_dsa_ops.py. Runs on the H200; skips without CUDA."""
+against the independent references in tests/helpers/ref_dsa_ops.py. Runs on the H200; skips without CUDA."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import ref_dsa_ops as R
+from tests.helpers import ref_dsa_ops as R
 
 pytestmark = [
     pytest.mark.gpu,
@@ -374,8 +374,7 @@ def test_topk_translate(K, case):
 
 CLUSTER_SHAPE_SCRIPT = r"""
 import sys, torch
-sys.path.insert(0, {tests!r})
-from test_kernels_indexer_topk import make_topk_inputs
+from tests.test_kernels_indexer_topk import make_topk_inputs
 from dsa_trt.plugins import cuda_ops as K
 assert K.library() is not None, K.library_error()
 out = {{}}
@@ -393,13 +392,13 @@ CLUSTER_SHAPE_CASES = [("randn_4x128k", 4, 131072, "randn"), ("zeros99_2x64k", 2
 def test_topk_output_independent_of_cluster_shape(K, tmp_path):
     """The selection and its order (ascending positions) are the same whatever the cluster size:
     one process per DSA_TOPK_CLUSTER (read once per process), outputs compared bitwise."""
-    script = CLUSTER_SHAPE_SCRIPT.format(tests=str(Path(__file__).parent), cases=CLUSTER_SHAPE_CASES)
+    script = CLUSTER_SHAPE_SCRIPT.format(cases=CLUSTER_SHAPE_CASES)
     results = {}
     for c in (1, 2, 4, 8, 16):
         dst = tmp_path / f"c{c}.pt"
         env = dict(os.environ, DSA_TOPK_CLUSTER=str(c))
         run = subprocess.run([sys.executable, "-c", script, str(dst)], env=env, capture_output=True, text=True,
-                             timeout=300)
+                             timeout=300, cwd=Path(__file__).resolve().parents[1])  # imports tests.*
         assert run.returncode == 0, f"DSA_TOPK_CLUSTER={c}: {run.stderr[-2000:]}"
         results[c] = torch.load(dst)
     for name, rows, width, kind in CLUSTER_SHAPE_CASES:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import ref_dsa_ops as R
+from tests.helpers import ref_dsa_ops as R
 
 pytestmark = [
     pytest.mark.gpu,

@@ -1,5 +1,5 @@
 """CUDA sparse MLA (plugins/csrc/sparse_mla*.cu) against the independent float64 reference in
-tests/ref_sparse_mla.py. Runs on the H200; skips cleanly without CUDA.
+tests/helpers/ref_sparse_mla.py. Runs on the H200; skips cleanly without CUDA.
 
 fp8 pool, three tiers (per output; tolerances next to each check with the reason):
   1. tight: vs ``sparse_mla_fp8_emulated`` -- the kernel's own quantisation (q per head to e4m3,
@@ -29,7 +29,7 @@ import zlib
 import pytest
 import torch
 
-import ref_sparse_mla as R
+from tests.helpers import ref_sparse_mla as R
 
 pytestmark = [
     pytest.mark.gpu,
@@ -56,7 +56,7 @@ def make_case(seed: int, tokens: int, heads: int, topk: int, num_pages: int, *, 
     """Random pool / q / slots (never zeros). Slots: distinct random rows scattered over the whole pool
     (as top-k yields), a random fraction set to -1, the last `pad_tail` set to -1 (fewer candidates
     than k), whole rows -1 for `empty_tokens`, keys [a, b) of every row -1 for `dead_range` (a whole
-    split-KV chunk without a valid slot). `device`: cpu for tests/model_sparse_mla_fp8.py (same
+    split-KV chunk without a valid slot). `device`: cpu for tests/helpers/model_sparse_mla_fp8.py (same
     distribution, other values)."""
     g = torch.Generator(device=device).manual_seed(seed)
     n_slots = num_pages * R.PAGE_SIZE
@@ -154,7 +154,7 @@ def fp8_emulated_tols(score_std: float) -> tuple[float, float]:
     so an S error reaches out only through the small P (with the integer max it flipped the dominant
     P's rounding: rows up to 0.112, rel up to 0.050). A split run is compared with the per-chunk
     replay of its own chunks (each chunk's max and P rounding, lse merge), so it is as tight as unsplit.
-    CPU model (tests/model_sparse_mla_fp8.py --seeds 10 --bits 14,13, 2026-11-30, every case and run of
+    CPU model (tests/helpers/model_sparse_mla_fp8.py --seeds 10 --bits 14,13, 2026-11-30, every case and run of
     its CASES: 50 case x run x bits rows): worst row 0.055 (k = 16; <= 0.050 elsewhere, <= 0.01-0.04 in
     the k = 2048 split runs), rel max 1.1e-2 (k = 16; medians 1.9e-3..7e-3), 0 runs over these bounds;
     the pre-revision model run gave rows <= 0.057, rel <= 1.3e-2 for this arithmetic. Bounds: rel 2e-2

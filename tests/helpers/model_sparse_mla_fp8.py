@@ -18,7 +18,7 @@ The running max is exact (the integer max of 67da88c, reverted, is still modelle
 A split run replays each chunk with its own max and P rounding and merges the chunks by lse, and
 tier 1 compares it with the float64 replay of the same chunks (ref_sparse_mla, chunks=...).
 
-    .venv/bin/python tests/model_sparse_mla_fp8.py [--seeds 10] [--bits 14,13] [--integer-max] [--only NAME]
+    .venv/bin/python -m tests.helpers.model_sparse_mla_fp8 [--seeds 10] [--bits 14,13] [--integer-max] [--only NAME]
 prints, per test case and run (auto / forced chunk counts / partials; CPU generator: the same
 distribution as the test's make_case, not the same values), the worst row and the rel Frobenius
 error against the float64 replay of the same chunking and how many seeds exceed fp8_emulated_tols;
@@ -31,12 +31,10 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import ref_sparse_mla as R  # noqa: E402
+from tests.helpers import ref_sparse_mla as R
 
 SM_SCALE = 0.1352  # as the kernel test
 
@@ -217,9 +215,8 @@ def main():
     ap.add_argument("--only", default="", help="substring of the case names to run")
     a = ap.parse_args()
     torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     # the bounds under test (imports without a GPU)
-    from test_kernels_sparse_mla import SPLIT_VS_UNSPLIT_TOLS, fp8_emulated_tols
+    from tests.test_kernels_sparse_mla import SPLIT_VS_UNSPLIT_TOLS, fp8_emulated_tols
 
     print(f"{'case':44s} {'run':>12s} {'bits':>4s} {'rows':>6s} | tier 1: {'worst row':>9s} {'rel med':>8s} "
           f"{'rel max':>8s} {'over':>6s} | split vs unsplit: {'worst row':>9s} {'rel max':>8s} {'lse max':>8s} "
