@@ -34,7 +34,7 @@ $(CHECKPOINT)/config.json: | setup
 
 engine: setup $(CHECKPOINT)/config.json
 	$(PY) -m dsa_trt.builder.build --checkpoint $(CHECKPOINT) --out $(OUT) --tp $(TP) --cache $(CACHE) --compiler $(COMPILER)
-	$(PY) -m dsa_trt.runtime.cli generate --engine $(OUT) --max-tokens 24 \
+	$(PY) -m dsa_trt.runtime.cli generate --engine $(OUT) --max-tokens 24 --temperature 0 \
 		--prompt "The quick brown fox" --prompt "Once upon a time, in a small village" --prompt "Hello"
 
 test: setup

@@ -206,19 +206,36 @@ def build_summary(out: Path, cfg: EngineConfig) -> str:
     return "build summary\n" + "\n".join(lines)
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """--help shows each flag's default (unless its help states it, or it has none) and keeps the
+    description's line breaks."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.required or any(action.default is v for v in (None, False, argparse.SUPPRESS)) or "default" in text:
+            return text
+        return super()._get_help_string(action)
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="dsa-trt build", description=__doc__)
-    ap.add_argument("--checkpoint", required=True)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--tp", type=int, default=1)
-    ap.add_argument("--cache", choices=("fp8", "bf16", "fp32"), default="fp8")
-    ap.add_argument("--compiler", choices=("auto", "aoti", "tensorrt"), default="auto")
-    ap.add_argument("--device", choices=("cuda", "cpu"), default=None)
-    ap.add_argument("--dtype", choices=("bfloat16", "float32"), default=None)
+    ap = argparse.ArgumentParser(prog="dsa-trt build", description=__doc__, formatter_class=_HelpFormatter)
+    ap.add_argument("--checkpoint", required=True,
+                    help="Hugging Face checkpoint directory (DeepSeek-V3.2 / GLM-5 layout), e.g. checkpoints/tiny-v32")
+    ap.add_argument("--out", required=True, help="engine directory to write (created; rank<N>.* files, engine.json)")
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks: one engine per rank")
+    ap.add_argument("--cache", choices=("fp8", "bf16", "fp32"), default="fp8",
+                    help="KV cache format: fp8 (deployed, calibrated), bf16, or fp32 (the exact oracle mode)")
+    ap.add_argument("--compiler", choices=("auto", "aoti", "tensorrt"), default="auto",
+                    help="auto: tensorrt when `import tensorrt` works, else aoti (AOTInductor)")
+    ap.add_argument("--device", choices=("cuda", "cpu"), default=None,
+                    help="device the engine runs on (default: cuda when a GPU is visible, else cpu)")
+    ap.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
+                    help="activation dtype (default: bfloat16 on cuda, float32 on cpu)")
     ap.add_argument("--calib-file", default=None, help="text to calibrate the fp8 caches on (default: export/data/corpus.txt)")
     ap.add_argument("--kv-calibration", default=None,
                     help="reuse quant/fp8-kv-per-layer.json of an earlier fp8 build instead of calibrating (no ModelOpt needed)")
-    ap.add_argument("--max-num-tokens", type=int, default=8192)
+    ap.add_argument("--max-num-tokens", type=int, default=8192,
+                    help="most tokens one step may hold (the exported programs' dynamic-shape bound)")
     ap.add_argument("--emit-onnx", action="store_true",
                     help="also write onnx/rank<N>[.dense].onnx: the TensorRT graphs with plugin nodes (any machine)")
     a = ap.parse_args(argv)

@@ -140,41 +140,63 @@ def _bench(a: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="dsa-trt")
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """--help shows each flag's default, unless its help states it or it has none."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.required or any(action.default is v for v in (None, False, argparse.SUPPRESS)) or "default" in text:
+            return text
+        return super()._get_help_string(action)
+
+
+# The sampling flags' defaults are SamplingParams' (one set for the CLI, the Python API and the
+# Triton model).
+_SAMPLING = SamplingParams()
+
+
+def parser() -> argparse.ArgumentParser:
+    """The `dsa-trt` argument parser: subcommands generate, serve and bench."""
+    ap = argparse.ArgumentParser(prog="dsa-trt", formatter_class=_HelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
-    g = sub.add_parser("generate", help="generate completions for prompts")
+    g = sub.add_parser("generate", help="generate completions for prompts", formatter_class=_HelpFormatter)
     g.add_argument("--engine", required=True, help="engine directory written by `make engine`")
-    g.add_argument("--prompt", action="append", help="a prompt (repeat for a batch)")
-    g.add_argument("--max-tokens", type=int, default=32)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--stop", action="append")
+    g.add_argument("--prompt", action="append", help="a prompt (repeat for a batch; default: one prompt, 'Hello')")
+    g.add_argument("--max-tokens", type=int, default=_SAMPLING.max_tokens, help="tokens to generate per prompt")
+    g.add_argument("--temperature", type=float, default=_SAMPLING.temperature, help="sampling temperature; 0 = greedy")
+    g.add_argument("--top-k", type=int, default=_SAMPLING.top_k, help="sample among the k most likely tokens; 0 = off")
+    g.add_argument("--top-p", type=float, default=_SAMPLING.top_p, help="nucleus sampling mass in (0, 1]; 1 = off")
+    g.add_argument("--seed", type=int, default=_SAMPLING.seed,
+                   help="sampling seed, each prompt's generator seeded with it (default: unseeded)")
+    g.add_argument("--stop", action="append", help="a stop string (repeat for several; default: none)")
     g.set_defaults(fn=_generate)
-    s = sub.add_parser("serve", help="serve the engine with Triton (decoupled python model, TRT-LLM schema)")
-    s.add_argument("--engine", required=True)
+    s = sub.add_parser("serve", help="serve the engine with Triton (decoupled python model, TRT-LLM schema)",
+                       formatter_class=_HelpFormatter)
+    s.add_argument("--engine", required=True, help="engine directory written by `make engine`")
     s.add_argument("--model-repository", default=None, help="where to write it (default: in --work-dir)")
     s.add_argument("--work-dir", default=None, help="backend dir and repository (default: a new temp dir)")
-    s.add_argument("--model-name", default="dsa_trt")
-    s.add_argument("--address", default="127.0.0.1")
-    s.add_argument("--http-port", type=int, default=8000)
-    s.add_argument("--grpc-port", type=int, default=8001)
-    s.add_argument("--metrics-port", type=int, default=8002)
+    s.add_argument("--model-name", default="dsa_trt", help="the Triton model's name (URL path and gRPC model_name)")
+    s.add_argument("--address", default="127.0.0.1", help="address the server binds (0.0.0.0: every interface)")
+    s.add_argument("--http-port", type=int, default=8000, help="HTTP/REST port (generate, generate_stream, health)")
+    s.add_argument("--grpc-port", type=int, default=8001, help="gRPC port (streaming: a decoupled model)")
+    s.add_argument("--metrics-port", type=int, default=8002, help="Prometheus metrics port")
     s.add_argument("--num-pages", type=int, default=None, help="cache pages (default: DSA_NUM_PAGES or sized)")
-    s.add_argument("--ready-timeout", type=float, default=300.0)
+    s.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for the server to be ready")
     s.set_defaults(fn=_serve)
-    b = sub.add_parser("bench", help="offline throughput and latency over N prompts")
-    b.add_argument("--engine", required=True)
-    b.add_argument("--num-prompts", type=int, default=64)
+    b = sub.add_parser("bench", help="offline throughput and latency over N prompts", formatter_class=_HelpFormatter)
+    b.add_argument("--engine", required=True, help="engine directory written by `make engine`")
+    b.add_argument("--num-prompts", type=int, default=64, help="prompts submitted at once")
     b.add_argument("--prompt-len", type=int, default=32, help="tokens per prompt (random ids)")
-    b.add_argument("--max-tokens", type=int, default=32)
-    b.add_argument("--temperature", type=float, default=0.8)
-    b.add_argument("--seed", type=int, default=0)
-    b.add_argument("--num-pages", type=int, default=None)
+    b.add_argument("--max-tokens", type=int, default=32, help="tokens generated per prompt (EOS ignored)")
+    b.add_argument("--temperature", type=float, default=_SAMPLING.temperature, help="sampling temperature; 0 = greedy")
+    b.add_argument("--seed", type=int, default=0, help="seed of the random prompts; prompt i samples with seed + i")
+    b.add_argument("--num-pages", type=int, default=None, help="cache pages (default: DSA_NUM_PAGES or sized)")
     b.set_defaults(fn=_bench)
-    a = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parser().parse_args(argv)
     a.argv = list(sys.argv[1:] if argv is None else argv)
     try:
         return a.fn(a)
