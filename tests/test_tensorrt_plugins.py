@@ -110,7 +110,7 @@ def import_tensorrt():
     try:
         import tensorrt as trt
     except ImportError as e:
-        pytest.skip(f"`import tensorrt` fails ({e}): the full TensorRT builder is not installable here "
+        pytest.skip(f"`import tensorrt` fails ({e}): the full TensorRT builder is not installable "
                     "here; these engine tests run on machines with TensorRT (e.g. NGC containers)")
     if not hasattr(trt, "Builder"):
         pytest.skip("the `tensorrt` module found is not TensorRT's Python package (no trt.Builder)")
