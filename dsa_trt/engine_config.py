@@ -17,12 +17,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from dsa_trt import __version__
-from dsa_trt.config import PAGE_SIZE, ModelConfig
+from dsa_trt.cache_layout import CACHE_MODES, PAGE_SIZE
+from dsa_trt.config import ModelConfig
 
 ENGINE_FORMAT_VERSION = 1
 ENGINE_CONFIG_NAME = "engine_config.json"
 COMPILERS = {"aoti": "pt2", "tensorrt": "plan", "eager": "safetensors"}
-CACHE_MODES = ("fp8", "bf16", "fp32")
 DTYPES = ("bfloat16", "float32")
 
 
