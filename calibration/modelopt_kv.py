@@ -1,4 +1,4 @@
-"""ModelOpt fp8 PTQ of the MLA cache: per-layer scale = amax([c_kv; k_pe]) / 448 (DESIGN §2).
+"""ModelOpt fp8 PTQ of the MLA cache: per-layer scale = amax([c_kv; k_pe]) / 448 (docs/architecture.md §8).
 
 How ModelOpt is driven (research/ecosystem.md §4):
 * Our network marks the cache write's input with ``DSAAttention.kv_cache_quantizer``, an identity

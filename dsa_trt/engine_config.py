@@ -1,4 +1,4 @@
-"""The engine-directory contract: what the builder writes and the runtime reads (DESIGN §2).
+"""The engine-directory contract: what the builder writes, the runtime reads (docs/architecture.md §2).
 
 engine_dir/
   engine_config.json        this schema
@@ -7,7 +7,8 @@ engine_dir/
   tokenizer.json            (+ tokenizer_config.json)
   quant/<recipe>.json       calibration artifact (fp8 cache mode)
 
-The runtime imports this module and dsa_trt.config only; it never imports the builder.
+Part of the contract layer (dsa_trt/*.py), which the runtime imports instead of the builder; the
+check of the compiled packages themselves is dsa_trt/package_check.py.
 """
 
 from __future__ import annotations

@@ -92,7 +92,8 @@ class StepInputs:
         return tuple(getattr(self, f.name) for f in STEP_FIELDS)
 
     def to(self, device: torch.device | str) -> "StepInputs":
-        return StepInputs(*(t.to(device, non_blocking=True) for t in self.as_tuple()), dense_prefill=self.dense_prefill)
+        moved = (t.to(device, non_blocking=True) for t in self.as_tuple())
+        return StepInputs(*moved, dense_prefill=self.dense_prefill)
 
     def dim_sizes(self) -> dict[str, int]:
         """STEP_DIMS name -> this step's size (read from the first field that has the dim)."""

@@ -1,4 +1,4 @@
-"""Checkpoint -> our network -> torch.export program (DESIGN §2).
+"""Checkpoint -> our network -> torch.export program (docs/architecture.md §2).
 
 ``build_network`` loads the (dequantised) checkpoint weights into DSAForCausalLM under their HF
 names; ``export_program`` traces one step with dynamic token count, batch, pages and pool size.

@@ -1,4 +1,4 @@
-"""Decode steps replayed from CUDA graphs captured per (batch, page-table width) bucket (DESIGN §5).
+"""Decode steps replayed from CUDA graphs, one per (batch, page-table width) bucket (docs/architecture.md §6).
 
 A decode-only step (one new token per sequence) is padded to the next batch bucket and the next
 power-of-two page-table width, copied into static input buffers, and replayed. The buffers and

@@ -1,4 +1,4 @@
-"""Tensor-parallel serving: one process per rank, launched by torchrun (DESIGN §5-6).
+"""Tensor-parallel serving: one process per rank, launched by torchrun (docs/architecture.md §7).
 
 Every rank loads its own engine (``Engine.load(dir, rank=r)``) and allocates its own copy of the
 paged caches (the MLA latent and the indexer keys are replicated across ranks). Rank 0 owns the

@@ -78,7 +78,8 @@ def disagreements(macros: dict[str, int]) -> list[str]:
     """What differs between the header macros and their cache_layout mirrors (empty: they agree)."""
     problems = [f"{m}: a kernel header constant with no Python mirror; define it in dsa_trt/cache_layout.py "
                 "and list it in MIRRORS" for m in sorted(set(macros) - set(MIRRORS))]
-    problems += [f"{m}: no longer defined in {HEADERS}; drop it from MIRRORS" for m in sorted(set(MIRRORS) - set(macros))]
+    problems += [f"{m}: no longer defined in {HEADERS}; drop it from MIRRORS"
+                 for m in sorted(set(MIRRORS) - set(macros))]
     problems += [f"{m} = {v} in the header but cache_layout.{MIRRORS[m]} = {getattr(L, MIRRORS[m])}"
                  for m, v in sorted(macros.items()) if m in MIRRORS and getattr(L, MIRRORS[m]) != v]
     return problems

@@ -1,4 +1,4 @@
-"""Triton model repository for an engine directory (DESIGN §5 Triton, research §6).
+"""Triton model repository for an engine directory (docs/architecture.md §6).
 
     repo/<name>/config.pbtxt       python backend, decoupled: TRT-LLM request schema (schema.py)
     repo/<name>/1/model.py         this package's model.py: AsyncLLM over the engine directory
