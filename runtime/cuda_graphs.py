@@ -20,8 +20,23 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 MIN_WIDTH = 8  # pages per sequence of the smallest width bucket
 
 
+# per replay: fields padded with a value are refilled, then the step's rows copied in; row-index
+# fields (req_idx, logits_indices) already equal a decode step's; pad None: padding rows read any
+# value, so only the real rows are copied
+_COPIED = tuple((f.name, f.pad) for f in STEP_FIELDS if f.pad != ROW)
+
+
 def _bucket(n: int, buckets) -> int | None:
     return next((b for b in buckets if b >= n), None)
+
+
+def copy_step(static: StepInputs, step: StepInputs) -> None:
+    """Load a decode step into the static buffers of a bigger bucket (``StepInputs.padding``)."""
+    for name, pad in _COPIED:
+        buf, src = getattr(static, name), getattr(step, name)
+        if pad is not None:
+            buf.fill_(pad)
+        buf[tuple(slice(0, n) for n in src.shape)].copy_(src, non_blocking=True)
 
 
 class _Graph:
@@ -30,10 +45,6 @@ class _Graph:
         # a decode bucket: one token and one logits row per sequence
         step = StepInputs.padding({"tokens": batch, "batch": batch, "pages_per_seq": width, "logit_rows": batch}, dev)
         self.static = step
-        # per replay: fields padded with a value are refilled, then the step's rows copied in;
-        # row-index fields (req_idx, logits_indices) already equal a decode step's; pad None:
-        # padding rows read any value, so only the real rows are copied
-        self._copied = [(f.name, f.pad) for f in STEP_FIELDS if f.pad != ROW]
         stream = torch.cuda.Stream(dev)
         stream.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(stream):
@@ -45,11 +56,7 @@ class _Graph:
             self.logits = engine.forward(step, *pools)
 
     def run(self, step: StepInputs) -> torch.Tensor:
-        for name, pad in self._copied:
-            buf, src = getattr(self.static, name), getattr(step, name)
-            if pad is not None:
-                buf.fill_(pad)
-            buf[tuple(slice(0, n) for n in src.shape)].copy_(src, non_blocking=True)
+        copy_step(self.static, step)
         self.graph.replay()
         return self.logits[: step.page_table.shape[0]]
 

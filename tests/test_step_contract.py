@@ -19,6 +19,7 @@ from dsa_trt.engine_config import EngineConfig
 from dsa_trt.export.network import DSAForCausalLM
 from dsa_trt.export.tiny_checkpoint import tiny_config_dict
 from dsa_trt.runtime import distributed
+from dsa_trt.runtime.cuda_graphs import copy_step
 from dsa_trt.runtime.triton.repository import step_model_io
 
 
@@ -93,6 +94,29 @@ def test_padding_rows_write_nowhere_and_read_page_zero():
         if f.pad == S.ROW:
             n = getattr(decode, f.name).shape[0]
             assert torch.equal(getattr(decode, f.name), getattr(pad, f.name)[:n]), f.name
+
+
+def test_graph_bucket_holds_the_step_then_padding():
+    """What a CUDA-graph replay reads: the decode step in the first rows / columns, padding after,
+    also after a bigger step was loaded into the same buffers before."""
+    sizes = {"tokens": 8, "batch": 8, "pages_per_seq": 16, "logit_rows": 8}
+    static = S.StepInputs.padding(sizes)
+    bigger = S.StepInputs.build([([i + 3], 100 + i, [1, 2, 3, 4][: 2 + i % 3]) for i in range(6)], 16)
+    copy_step(static, bigger)
+    step = S.StepInputs.build([([17], 90, [7, 3]), ([9], 30, [11])], 16)
+    copy_step(static, step)
+    pad = S.StepInputs.padding(sizes)
+    b, w = step.page_table.shape
+    for f in S.STEP_FIELDS:
+        got, real = getattr(static, f.name), getattr(step, f.name)
+        head = tuple(slice(0, n) for n in real.shape)
+        if f.pad != S.ROW:  # row-index fields are never copied: they must already agree
+            assert torch.equal(got[head], real), f.name
+        rest = torch.ones(got.shape, dtype=torch.bool)
+        rest[head] = False
+        if f.pad is not None:  # pad None: padding rows hold whatever was there (never read)
+            assert torch.equal(got[rest], getattr(pad, f.name)[rest]), f.name
+    assert (static.slot_mapping[b:] == -1).all() and (static.page_table[:, w:] == 0).all()
 
 
 def test_export_dims_and_dynamic_shapes():
