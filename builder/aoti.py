@@ -7,25 +7,21 @@ with the process's shared libstdc++ (loaded by torch), and the first regex in
 ``AOTInductorModel``'s constructor (``parse_device_str``) segfaults inside
 ``aoti_load_package`` — for any package, CPU or CUDA, with or without our ops. We link the
 shared C++ runtime the process already uses (``-l:libstdc++.so.6``, its directory on the link
-path) and refuse a package whose wrapper does not list ``libstdc++.so.6`` as NEEDED.
+path) and refuse a package whose wrapper does not list ``libstdc++.so.6`` as NEEDED
+(dsa_trt/package_check.py, which the runtime runs again before loading a package).
 """
 
 from __future__ import annotations
 
 import os
-import struct
 import sys
-import zipfile
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
-LIBSTDCXX = "libstdc++.so.6"
-
-
-class PackageLinkError(RuntimeError):
-    pass
+# the check lives in the engine-directory contract, where the runtime reads it too
+from dsa_trt.package_check import LIBSTDCXX, PackageLinkError, check_package, elf_needed  # noqa: F401
 
 
 def loaded_libstdcxx() -> Path | None:
@@ -53,43 +49,6 @@ def _library_path(extra: Path | None):
             os.environ.pop("LIBRARY_PATH", None)
         else:
             os.environ["LIBRARY_PATH"] = old
-
-
-def elf_needed(data: bytes) -> list[str]:
-    """DT_NEEDED entries of a little-endian ELF64 shared object."""
-    if data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1:
-        raise ValueError("not a little-endian ELF64 file")
-    e_shoff, = struct.unpack_from("<Q", data, 0x28)
-    e_shentsize, e_shnum = struct.unpack_from("<HH", data, 0x3A)
-    sections = [struct.unpack_from("<IIQQQQIIQQ", data, e_shoff + i * e_shentsize) for i in range(e_shnum)]
-    needed = []
-    for _name, sh_type, _flags, _addr, off, size, link, _info, _align, entsize in sections:
-        if sh_type != 6:  # SHT_DYNAMIC
-            continue
-        str_off = sections[link][4]
-        for pos in range(off, off + size, entsize or 16):
-            tag, val = struct.unpack_from("<qQ", data, pos)
-            if tag == 0:
-                break
-            if tag == 1:  # DT_NEEDED
-                end = data.index(b"\0", str_off + val)
-                needed.append(data[str_off + val:end].decode())
-    return needed
-
-
-def check_package(path: Path) -> None:
-    """Every wrapper .so in the package must use the shared C++ runtime (see module doc)."""
-    with zipfile.ZipFile(path) as zf:
-        for name in zf.namelist():
-            if not name.endswith(".so"):
-                continue
-            needed = elf_needed(zf.read(name))
-            if LIBSTDCXX not in needed:
-                raise PackageLinkError(
-                    f"{path}: {name} links the C++ runtime statically (NEEDED: {', '.join(needed)}); "
-                    "it would crash when loaded next to torch's shared libstdc++. Install the "
-                    "compiler's shared libstdc++ link (e.g. `apt-get install libstdc++-<ver>-dev`) "
-                    "or set CXX to a g++ that links libstdc++.so.6, then rebuild")
 
 
 def compile_package(ep, package_path: Path) -> Path:

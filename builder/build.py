@@ -28,7 +28,7 @@ from dsa_trt.engine_config import EngineConfig
 from dsa_trt.export.checkpoint import Checkpoint, CheckpointError
 from dsa_trt.export.program import build_network, export_program
 from dsa_trt.export.sharding import check_tp
-from dsa_trt.runtime.tokenizer import Tokenizer
+from dsa_trt.tokenizer import Tokenizer
 
 from .aoti import PackageLinkError, compile_package
 

@@ -13,8 +13,8 @@ attribute table are docs/onnx_plugin_nodes.md. How the graph is made:
    Two aten ops get our own translation: 3-D SDPA (dense prefill) and einsum (ONNX Einsum has no bf16).
 3. Post-processing on the ONNX IR: outputs named ``logits`` and ``<pool input>_out`` (TensorRT aliases
    the latter to the pool inputs through the plugins' getAliasedInput; the runtime binds both to one
-   buffer); dynamic dims named as in export/program.py (tokens, batch, pages_per_seq, pool_pages,
-   logit_rows); fp8-mode byte pools declared in the INT32 carrier (PLUGINS.md "Byte pools"); the
+   buffer); dynamic dims named as in the step contract, dsa_trt/step.py (tokens, batch, pages_per_seq,
+   pool_pages, logit_rows); fp8-mode byte pools declared in the INT32 carrier (PLUGINS.md "Byte pools"); the
    indexer's fp8 query made explicit as ``QuantizeLinear(x, scale=1, zero_point=FLOAT8E4M3FN)`` (the
    network already divided by its per-(token, head) power-of-two scale): TensorRT 11 networks are
    strongly typed, and that Q node *is* the FP8 tensor the DsaIndexerLogits plugin takes as input 0.
@@ -40,25 +40,18 @@ from torch.export.graph_signature import OutputKind, OutputSpec, TensorArgument
 from torch.utils import _pytree as pytree
 
 import dsa_trt.plugins.collectives  # noqa: F401  (registers torch.ops.dsa.all_reduce)
+from dsa_trt.cache_layout import CACHE_FORMATS  # the plugins' cache_format field
 from dsa_trt.plugins.ops import PLUGIN_NAMES
+from dsa_trt.step import LOGITS, POOL_OUTPUT_SUFFIX, onnx_dim_names
 
 PLUGIN_DOMAIN = "dsa"
 PLUGIN_NAMESPACE = "dsa"
 PLUGIN_VERSION = "1"
 OPSET = 21  # FLOAT8E4M3FN QuantizeLinear with `saturate` needs >= 19; TensorRT 10/11 parse 21
-CACHE_FORMATS = {"fp8": 0, "bf16": 1}  # the plugins' cache_format field
 POOL_CARRIERS = ("int32", "int8", "uint8")  # fp8-mode byte pools at the engine boundary (PLUGINS.md)
 CARRIER_TYPES = {"int32": ir.DataType.INT32, "int8": ir.DataType.INT8, "uint8": ir.DataType.UINT8}
-LOGITS = "logits"
-POOL_OUTPUT_SUFFIX = "_out"
-# (program input, dim) -> the Dim name of export/program.py; one symbol per name
-DIM_NAMES = {
-    ("input_ids", 0): "tokens",
-    ("page_table", 0): "batch",
-    ("page_table", 1): "pages_per_seq",
-    ("mla_pools_0", 0): "pool_pages",
-    ("logits_indices", 0): "logit_rows",
-}
+# (program input, dim) -> the dim name of the step contract (dsa_trt/step.py); one symbol per name
+DIM_NAMES = onnx_dim_names()
 
 
 class OnnxExportError(RuntimeError):
@@ -390,7 +383,7 @@ def _name_outputs(model: ir.Model, pools: list[str]) -> None:
 
 
 def _name_dims(model: ir.Model) -> None:
-    """The exporter's symbols (s0, s42, ...) -> export/program.py's Dim names, also inside expressions
+    """The exporter's symbols (s0, s42, ...) -> the step contract's dim names, also inside expressions
     such as ``64*s2`` (the indexer logits width): TensorRT profiles and readers see our names."""
     inputs = {v.name: v for v in model.graph.inputs}
     rename = {}

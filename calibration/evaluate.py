@@ -25,7 +25,7 @@ from dsa_trt.export.checkpoint import Checkpoint
 from dsa_trt.export.network import DSAForCausalLM, KVCacheQuantizerSlot
 from dsa_trt.export.program import build_network
 from dsa_trt.plugins.pools import allocate_pools
-from dsa_trt.runtime.step_inputs import StepInputs
+from dsa_trt.step import StepInputs
 
 from .kv_scale import CALIB_SEQ_LEN, run_sequences, token_sequences
 
@@ -143,7 +143,7 @@ def format_reports(reports: list[ScaleReport], num_tokens: int, sweep: dict[floa
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dsa_trt.runtime.tokenizer import Tokenizer
+    from dsa_trt.tokenizer import Tokenizer
 
     from .modelopt_kv import calibrate_kv_cache
 

@@ -19,7 +19,7 @@ import torch
 from dsa_trt.config import FP8_E4M3_MAX, PAGE_SIZE
 from dsa_trt.export.network import DSAForCausalLM
 from dsa_trt.plugins.pools import allocate_pools
-from dsa_trt.runtime.step_inputs import StepInputs
+from dsa_trt.step import StepInputs
 
 KV_RECIPE = "fp8-kv-per-layer"
 KV_AMAX_FLOOR = 1e-4  # an all-zero layer still gets a finite, positive scale

@@ -1,6 +1,6 @@
-"""ModelOpt fp8 PTQ of the MLA cache: per-layer scale = amax([c_kv; k_pe]) / 448 (docs/architecture.md §2).
+"""ModelOpt fp8 PTQ of the MLA cache: per-layer scale = amax([c_kv; k_pe]) / 448 (docs/architecture.md §8).
 
-How ModelOpt is driven:
+How ModelOpt is driven (research/ecosystem.md §4):
 * Our network marks the cache write's input with ``DSAAttention.kv_cache_quantizer``, an identity
   ``KVCacheQuantizerSlot`` (no node in the exported program). Registered here with ModelOpt's
   ``QuantModuleRegistry``, ``mtq.quantize`` converts each slot into a quant module whose

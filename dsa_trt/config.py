@@ -14,10 +14,18 @@ from pathlib import Path
 
 import torch
 
-PAGE_SIZE = 64  # tokens per page; one page id indexes both the MLA pool and the indexer pool
-MLA_LATENT_DIM = 512 + 64  # [c_kv (kv_lora_rank) ; k_pe (qk_rope_head_dim)]
-FP8_E4M3_MAX = 448.0
-INDEX_K_ROW_BYTES = 128 + 4  # fp8 key + fp32 scale per token (index_head_dim = 128)
+# the cache layout is defined in cache_layout.py; these names stay importable from here
+from dsa_trt.cache_layout import (  # noqa: F401
+    FP8_E4M3_MAX,
+    INDEX_DIM,
+    INDEX_K_ROW_BYTES,
+    MLA_LATENT_DIM,
+    MLA_NOPE_DIM,
+    MLA_ROPE_DIM,
+    PAGE_SIZE,
+    index_bytes_per_token,
+    mla_bytes_per_token,
+)
 
 SUPPORTED_MODEL_TYPES = ("deepseek_v32", "glm_moe_dsa")
 
@@ -81,10 +89,10 @@ class ModelConfig:
         if self.kv_lora_rank + self.qk_rope_head_dim != MLA_LATENT_DIM:
             problems.append(
                 f"kv_lora_rank + qk_rope_head_dim = {self.kv_lora_rank}+{self.qk_rope_head_dim}; "
-                f"the 576-byte latent cache needs 512+64"
+                f"the {MLA_LATENT_DIM}-byte latent cache needs {MLA_NOPE_DIM}+{MLA_ROPE_DIM}"
             )
-        if self.index_head_dim != 128:
-            problems.append(f"index_head_dim = {self.index_head_dim}; the indexer cache layout needs 128")
+        if self.index_head_dim != INDEX_DIM:
+            problems.append(f"index_head_dim = {self.index_head_dim}; the indexer cache layout needs {INDEX_DIM}")
         if self.index_topk <= 0:
             problems.append(f"index_topk = {self.index_topk} must be positive")
         if self.n_routed_experts % max(self.n_group, 1):
@@ -107,12 +115,11 @@ class ModelConfig:
 
     def mla_cache_bytes_per_token(self, cache_mode: str) -> int:
         """Bytes per token per layer of the MLA pool: 576 (fp8 raw layout) or 1152 (bf16)."""
-        return {"fp8": MLA_LATENT_DIM, "bf16": 2 * MLA_LATENT_DIM, "fp32": 4 * MLA_LATENT_DIM}[cache_mode]
+        return mla_bytes_per_token(cache_mode)
 
     def indexer_cache_bytes_per_token(self, cache_mode: str) -> int:
-        return {"fp8": INDEX_K_ROW_BYTES, "bf16": 2 * self.index_head_dim, "fp32": 4 * self.index_head_dim}[
-            cache_mode
-        ]
+        """Bytes per token per layer of the indexer pool: 132 (fp8 key + scale) or 256 (bf16)."""
+        return index_bytes_per_token(cache_mode)
 
     def cache_bytes_per_token(self, cache_mode: str) -> int:
         """Both pools, all layers."""

@@ -1,4 +1,4 @@
-"""The engine-directory contract: what the builder writes and the runtime reads (docs/architecture.md §2).
+"""The engine-directory contract: what the builder writes, the runtime reads (docs/architecture.md §2).
 
 engine_dir/
   engine_config.json        this schema
@@ -7,7 +7,8 @@ engine_dir/
   tokenizer.json            (+ tokenizer_config.json)
   quant/<recipe>.json       calibration artifact (fp8 cache mode)
 
-The runtime imports this module and dsa_trt.config only; it never imports the builder.
+Part of the contract layer (dsa_trt/*.py), which the runtime imports instead of the builder; the
+check of the compiled packages themselves is dsa_trt/package_check.py.
 """
 
 from __future__ import annotations
@@ -17,12 +18,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from dsa_trt import __version__
-from dsa_trt.config import PAGE_SIZE, ModelConfig
+from dsa_trt.cache_layout import CACHE_MODES, PAGE_SIZE
+from dsa_trt.config import ModelConfig
 
 ENGINE_FORMAT_VERSION = 1
 ENGINE_CONFIG_NAME = "engine_config.json"
 COMPILERS = {"aoti": "pt2", "tensorrt": "plan", "eager": "safetensors"}
-CACHE_MODES = ("fp8", "bf16", "fp32")
 DTYPES = ("bfloat16", "float32")
 
 

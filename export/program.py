@@ -10,11 +10,11 @@ from __future__ import annotations
 from typing import Callable, Iterable
 
 import torch
-from torch.export import Dim, ExportedProgram, export
+from torch.export import ExportedProgram, export
 
 from dsa_trt.config import ModelConfig
 from dsa_trt.plugins.pools import allocate_pools
-from dsa_trt.runtime.step_inputs import StepInputs
+from dsa_trt.step import StepInputs, dynamic_shapes, export_dims
 
 from .checkpoint import Checkpoint
 from .layers import hadamard_matrix
@@ -72,14 +72,8 @@ def export_program(net: DSAForCausalLM, max_num_tokens: int = 8192, max_batch: i
     cfg = net.cfg
     step = example_step(cfg, net.dense_prefill, device)
     mla, idx = allocate_pools(cfg, net.cache_mode, 4, device=device)
-    tokens = Dim("tokens", min=1, max=max_num_tokens)
-    batch = Dim("batch", min=1, max=max_batch)
-    pages = Dim("pages_per_seq", min=1, max=max_pages_per_seq)
-    pool_pages = Dim("pool_pages", min=2, max=1 << 24)
-    rows = Dim("logit_rows", min=1, max=max_num_tokens)
-    pool_dims = [{0: pool_pages}] * cfg.num_hidden_layers
-    dynamic_shapes = (
-        {0: tokens}, {0: tokens}, {0: tokens}, {0: batch, 1: pages}, {0: tokens}, {0: rows}, pool_dims, pool_dims,
-    )
+    # dims and their bounds come from the step contract (dsa_trt/step.py): one symbol per name
+    dims = export_dims(max_num_tokens=max_num_tokens, max_batch=max_batch, max_pages_per_seq=max_pages_per_seq)
     with torch.no_grad():
-        return export(net, step.as_tuple() + (mla, idx), dynamic_shapes=dynamic_shapes)
+        return export(net, step.as_tuple() + (mla, idx),
+                      dynamic_shapes=dynamic_shapes(dims, cfg.num_hidden_layers))

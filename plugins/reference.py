@@ -13,12 +13,9 @@ from __future__ import annotations
 
 import torch
 
-from dsa_trt.config import FP8_E4M3_MAX, MLA_LATENT_DIM, PAGE_SIZE
+from dsa_trt.cache_layout import FP8_E4M3_MAX, INDEX_DIM, INDEX_KEYS_BYTES, MLA_LATENT_DIM, MLA_V_DIM, PAGE_SIZE
 
-INDEX_DIM = 128
-INDEX_KEYS_BYTES = PAGE_SIZE * INDEX_DIM  # 8192: the page's key matrix, then the scales
 FP8_AMAX_FLOOR = 1e-4
-MLA_V_DIM = 512
 
 
 # ---------------------------------------------------------------- fp8 helpers

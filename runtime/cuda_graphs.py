@@ -1,9 +1,10 @@
-"""Decode steps replayed from CUDA graphs captured per (batch, page-table width) bucket (docs/architecture.md §6).
+"""Decode steps replayed from CUDA graphs, one per (batch, page-table width) bucket (docs/architecture.md §6).
 
 A decode-only step (one new token per sequence) is padded to the next batch bucket and the next
-power-of-two page-table width, copied into static input buffers, and replayed. Padding rows
-write nowhere (slot -1), attend to one key of page 0 and their logits are dropped, so the real
-rows are exactly what the eager call computes. Graphs are captured lazily, on first use of a
+power-of-two page-table width, copied into static input buffers, and replayed. The buffers and
+their padding values come from the step contract (dsa_trt/step.py, ``StepInputs.padding``):
+padding rows write nowhere (slot -1), attend to one key of page 0 and their logits are dropped,
+so the real rows are exactly what the eager call computes. Graphs are captured lazily, on first use of a
 bucket, and share one memory pool.
 """
 
@@ -11,28 +12,39 @@ from __future__ import annotations
 
 import torch
 
+from dsa_trt.step import ROW, STEP_FIELDS, StepInputs
+
 from .engine import Engine
-from .step_inputs import StepInputs
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 MIN_WIDTH = 8  # pages per sequence of the smallest width bucket
+
+
+# per replay: fields padded with a value are refilled, then the step's rows copied in; row-index
+# fields (req_idx, logits_indices) already equal a decode step's; pad None: padding rows read any
+# value, so only the real rows are copied
+_COPIED = tuple((f.name, f.pad) for f in STEP_FIELDS if f.pad != ROW)
 
 
 def _bucket(n: int, buckets) -> int | None:
     return next((b for b in buckets if b >= n), None)
 
 
+def copy_step(static: StepInputs, step: StepInputs) -> None:
+    """Load a decode step into the static buffers of a bigger bucket (``StepInputs.padding``)."""
+    for name, pad in _COPIED:
+        buf, src = getattr(static, name), getattr(step, name)
+        if pad is not None:
+            buf.fill_(pad)
+        buf[tuple(slice(0, n) for n in src.shape)].copy_(src, non_blocking=True)
+
+
 class _Graph:
     def __init__(self, engine: Engine, batch: int, width: int, pools, pool_handle):
         dev = engine.device
-        self.input_ids = torch.zeros(batch, dtype=torch.int64, device=dev)
-        self.positions = torch.zeros(batch, dtype=torch.int64, device=dev)
-        self.req_idx = torch.arange(batch, dtype=torch.int32, device=dev)
-        self.page_table = torch.zeros(batch, width, dtype=torch.int32, device=dev)
-        self.slot_mapping = torch.full((batch,), -1, dtype=torch.int64, device=dev)
-        self.logits_indices = torch.arange(batch, dtype=torch.int64, device=dev)
-        step = StepInputs(self.input_ids, self.positions, self.req_idx, self.page_table, self.slot_mapping,
-                          self.logits_indices)
+        # a decode bucket: one token and one logits row per sequence
+        step = StepInputs.padding({"tokens": batch, "batch": batch, "pages_per_seq": width, "logit_rows": batch}, dev)
+        self.static = step
         stream = torch.cuda.Stream(dev)
         stream.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(stream):
@@ -44,16 +56,9 @@ class _Graph:
             self.logits = engine.forward(step, *pools)
 
     def run(self, step: StepInputs) -> torch.Tensor:
-        b, w = step.page_table.shape
-        self.slot_mapping.fill_(-1)
-        self.positions.zero_()
-        self.page_table.zero_()
-        self.input_ids[:b].copy_(step.input_ids, non_blocking=True)
-        self.positions[:b].copy_(step.positions, non_blocking=True)
-        self.slot_mapping[:b].copy_(step.slot_mapping, non_blocking=True)
-        self.page_table[:b, :w].copy_(step.page_table, non_blocking=True)
+        copy_step(self.static, step)
         self.graph.replay()
-        return self.logits[:b]
+        return self.logits[: step.page_table.shape[0]]
 
 
 class CudaGraphRunner:

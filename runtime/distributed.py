@@ -1,4 +1,4 @@
-"""Tensor-parallel serving: one process per rank, launched by torchrun (docs/architecture.md §6-7).
+"""Tensor-parallel serving: one process per rank, launched by torchrun (docs/architecture.md §7).
 
 Every rank loads its own engine (``Engine.load(dir, rank=r)``) and allocates its own copy of the
 paged caches (the MLA latent and the indexer keys are replicated across ranks). Rank 0 owns the
@@ -26,17 +26,20 @@ import torch.distributed as dist
 
 from dsa_trt.engine_config import EngineConfig, EngineDirError
 from dsa_trt.plugins.pools import allocate_pools
+from dsa_trt.step import STEP_DIMS, STEP_FIELDS, StepInputs
 
 from .engine import Engine
-from .step_inputs import StepInputs
 
 T = TypeVar("T")
 
 CMD_STOP, CMD_STEP = 0, 1
-# header: cmd, tokens, batch, pages per seq, logit rows, dense_prefill, pool pages
-HEADER_LEN = 7
-# StepInputs fields in order with their dtypes; the payload carries them as one int64 vector
-STEP_DTYPES = (torch.int64, torch.int64, torch.int32, torch.int32, torch.int64, torch.int64)
+# header: cmd, the size of every STEP_DIMS dim (tokens, batch, pages_per_seq, logit_rows), then
+# dense_prefill and the pool's page count; the payload carries the StepInputs fields (STEP_FIELDS
+# order) as one int64 vector, each field restored to its own dtype on the receiving rank
+DIMS_AT = 1
+DENSE_AT = DIMS_AT + len(STEP_DIMS)
+POOL_PAGES_AT = DENSE_AT + 1
+HEADER_LEN = POOL_PAGES_AT + 1
 
 
 def init_process_group(device: str | None = None) -> tuple[int, int, torch.device]:
@@ -57,26 +60,24 @@ def init_process_group(device: str | None = None) -> tuple[int, int, torch.devic
 
 
 def _shapes(header: list[int]) -> list[tuple[int, ...]]:
-    _, tokens, batch, pages, rows = header[:5]
-    return [(tokens,), (tokens,), (tokens,), (batch, pages), (tokens,), (rows,)]
+    sizes = dict(zip((d.name for d in STEP_DIMS), header[DIMS_AT:DENSE_AT]))
+    return [tuple(sizes[d] for d in f.dims) for f in STEP_FIELDS]
 
 
 def _pack(step: StepInputs, num_pages: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    t = step.as_tuple()
-    header = [CMD_STEP, t[0].shape[0], *t[3].shape, t[5].shape[0], int(step.dense_prefill), num_pages]
-    payload = torch.cat([x.reshape(-1).to(device=device, dtype=torch.int64) for x in t])
+    sizes = step.dim_sizes()
+    header = [CMD_STEP, *(sizes[d.name] for d in STEP_DIMS), int(step.dense_prefill), num_pages]
+    payload = torch.cat([x.reshape(-1).to(device=device, dtype=torch.int64) for x in step.as_tuple()])
     return torch.tensor(header, dtype=torch.int64, device=device), payload
 
 
 def _unpack(header: list[int], payload: torch.Tensor) -> StepInputs:
     parts, at = [], 0
-    for shape, dtype in zip(_shapes(header), STEP_DTYPES):
-        n = 1
-        for s in shape:
-            n *= s
-        parts.append(payload[at : at + n].view(shape).to(dtype))
+    for shape, f in zip(_shapes(header), STEP_FIELDS):
+        n = torch.Size(shape).numel()
+        parts.append(payload[at : at + n].view(shape).to(f.dtype))
         at += n
-    return StepInputs(*parts, dense_prefill=bool(header[5]))
+    return StepInputs(*parts, dense_prefill=bool(header[DENSE_AT]))
 
 
 def _payload_len(header: list[int]) -> int:
@@ -117,7 +118,7 @@ def worker_loop(engine: Engine) -> int:
         header = header_t.tolist()
         if header[0] == CMD_STOP:
             return steps
-        num_pages = header[6]
+        num_pages = header[POOL_PAGES_AT]
         if pools is None or pools[0][0].shape[0] != num_pages:  # same page count as rank 0
             pools = allocate_pools(cfg.model, cfg.cache_mode, num_pages, engine.device)
         payload = torch.empty(_payload_len(header), dtype=torch.int64, device=engine.device)

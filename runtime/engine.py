@@ -19,6 +19,7 @@ import torch
 import dsa_trt.plugins.collectives  # noqa: F401  (dsa::all_reduce, called by tensor-parallel programs)
 import dsa_trt.plugins.ops  # noqa: F401  (registers torch.ops.dsa.* before any program loads)
 from dsa_trt.engine_config import EngineConfig, EngineDirError
+from dsa_trt.package_check import PackageLinkError, check_package
 
 from .step_inputs import StepInputs
 
@@ -69,8 +70,6 @@ class Engine:
 def _load_aoti(path: Path, device: torch.device) -> Program:
     if not path.is_file():
         raise EngineDirError(f"{path}: missing; rebuild the engine directory with `make engine`")
-    from dsa_trt.builder.aoti import PackageLinkError, check_package
-
     try:
         check_package(path)  # a wrapper with a static C++ runtime would segfault in the loader
     except PackageLinkError as e:

@@ -4,9 +4,10 @@ The same call as an AOTInductor program (runtime/engine.py). A thin adapter: it 
 pointers of the caller's torch tensors to the plan's I/O tensors by name, sets the step's input
 shapes and enqueues on the current CUDA stream; nothing is copied on the way in.
 
-Names and layouts are those of the ONNX graph (builder/onnx_export.py; this module does not import
-the builder): inputs ``input_ids positions req_idx page_table slot_mapping logits_indices``, then
-``mla_pools_<l>`` and ``index_pools_<l>``; outputs ``logits`` and ``<pool>_out``. An fp8-mode byte
+Names and layouts are those of the step contract (dsa_trt/step.py), which the ONNX graph
+(builder/onnx_export.py; this module does not import the builder) also follows: inputs
+``STEP_INPUT_NAMES``, then ``mla_pools_<l>`` and ``index_pools_<l>``; outputs ``logits`` and
+``<pool>_out``. An fp8-mode byte
 pool is bound through a free view in the plan's carrier dtype (INT32: ``pool.view(torch.int32)``).
 A ``<pool>_out`` output that the plan aliases to its pool input (the cache-write plugins'
 getAliasedInput) is bound to the same buffer: the step writes the caller's pool in place.
@@ -20,10 +21,9 @@ from pathlib import Path
 import torch
 
 from dsa_trt.engine_config import EngineConfig, EngineDirError
+from dsa_trt.step import LOGITS, POOL_INPUTS, POOL_OUTPUT_SUFFIX, STEP_INPUT_NAMES, pool_input_name
 
-STEP_INPUTS = ("input_ids", "positions", "req_idx", "page_table", "slot_mapping", "logits_indices")
-LOGITS = "logits"
-POOL_OUTPUT_SUFFIX = "_out"
+STEP_INPUTS = STEP_INPUT_NAMES  # the plan's step bindings, in the program's positional order
 
 _loaded_libraries: dict[str, object] = {}  # plugin library path -> registry handle: once per process
 
@@ -84,12 +84,13 @@ class TensorRTProgram:
                                    if "_pools_" in n), default=None)
 
     def __call__(self, *args) -> torch.Tensor:
-        *step, mla_pools, index_pools = args
-        if len(step) != len(STEP_INPUTS):
-            raise TypeError(f"expected the {len(STEP_INPUTS)} step tensors {STEP_INPUTS}, got {len(step)}")
+        step, pools = args[: len(STEP_INPUTS)], args[len(STEP_INPUTS):]
+        if len(step) != len(STEP_INPUTS) or len(pools) != len(POOL_INPUTS):
+            raise TypeError(f"expected the {len(STEP_INPUTS)} step tensors {STEP_INPUTS} and the pool lists "
+                            f"{POOL_INPUTS}, got {len(args)} arguments")
         tensors = dict(zip(STEP_INPUTS, step))
-        tensors.update({f"mla_pools_{i}": p for i, p in enumerate(mla_pools)})
-        tensors.update({f"index_pools_{i}": p for i, p in enumerate(index_pools)})
+        for kind, layers in zip(POOL_INPUTS, pools):
+            tensors.update({pool_input_name(kind, i): p for i, p in enumerate(layers)})
         ctx = self.context
         bound = {}
         for name, dtype in self.inputs.items():

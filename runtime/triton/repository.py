@@ -18,13 +18,17 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dsa_trt.config import INDEX_K_ROW_BYTES, MLA_LATENT_DIM, PAGE_SIZE
+import torch
+
+from dsa_trt.cache_layout import BYTES_PER_INT32, index_page_shape, mla_page_shape
 from dsa_trt.engine_config import EngineConfig, EngineDirError
+from dsa_trt.step import LOGITS, POOL_OUTPUT_SUFFIX, STEP_FIELDS, pool_input_name
 
 from .schema import INPUTS, OUTPUTS, Field
 
 MODEL_PY = Path(__file__).resolve().parent / "model.py"
-BYTES_PER_INT32 = 4  # fp8 byte pools travel as INT32 carriers (plugins/tensorrt/PLUGINS.md)
+# the step fields' dtypes as Triton data types
+TRITON_TYPES = {torch.int64: "TYPE_INT64", torch.int32: "TYPE_INT32"}
 
 
 @dataclass
@@ -77,33 +81,26 @@ def python_model_config(name: str, engine_dir: Path, num_pages: int | None = Non
 
 
 def step_model_io(cfg: EngineConfig) -> tuple[list[Field], list[Field]]:
-    """Inputs and outputs of one engine step as a TensorRT plan, named as builder/onnx_export.py names
-    them: StepInputs.as_tuple() order, then mla_pools_<l>, index_pools_<l>; outputs ``logits`` and
-    ``<pool>_out`` (aliased to the pool input). fp8 pools use the INT32 carrier (PLUGINS.md)."""
+    """Inputs and outputs of one engine step as a TensorRT plan, named by the step contract
+    (dsa_trt/step.py) as builder/onnx_export.py names them: the StepInputs fields in order (every
+    dim dynamic), then mla_pools_<l>, index_pools_<l>; outputs ``logits`` and ``<pool>_out``
+    (aliased to the pool input). fp8 pools use the INT32 carrier (PLUGINS.md)."""
     m = cfg.model
-    ins = [
-        Field("input_ids", "TYPE_INT64", (-1,), optional=False),
-        Field("positions", "TYPE_INT64", (-1,), optional=False),
-        Field("req_idx", "TYPE_INT32", (-1,), optional=False),
-        Field("page_table", "TYPE_INT32", (-1, -1), optional=False),
-        Field("slot_mapping", "TYPE_INT64", (-1,), optional=False),
-        Field("logits_indices", "TYPE_INT64", (-1,), optional=False),
-    ]
+    ins = [Field(f.name, TRITON_TYPES[f.dtype], (-1,) * len(f.dims), optional=False) for f in STEP_FIELDS]
+    mla, idx = mla_page_shape(cfg.cache_mode), index_page_shape(cfg.cache_mode)
     if cfg.cache_mode == "fp8":
         dtype = "TYPE_INT32"
-        mla = (-1, PAGE_SIZE, MLA_LATENT_DIM // BYTES_PER_INT32)
-        idx = (-1, PAGE_SIZE * INDEX_K_ROW_BYTES // BYTES_PER_INT32)
+        mla, idx = (mla[:-1] + (mla[-1] // BYTES_PER_INT32,)), (idx[:-1] + (idx[-1] // BYTES_PER_INT32,))
     elif cfg.cache_mode == "bf16":
         dtype = "TYPE_BF16"
-        mla, idx = (-1, PAGE_SIZE, MLA_LATENT_DIM), (-1, PAGE_SIZE, m.index_head_dim)
     else:
         raise EngineDirError(f"cache_mode {cfg.cache_mode!r}: the TensorRT plugins take fp8 or bf16 caches")
     pools = []
     for layer in range(m.num_hidden_layers):
-        pools += [Field(f"mla_pools_{layer}", dtype, mla, optional=False),
-                  Field(f"index_pools_{layer}", dtype, idx, optional=False)]
-    outs = [Field("logits", "TYPE_FP32", (-1, m.vocab_size))]
-    outs += [Field(f"{p.name}_out", p.data_type, p.dims) for p in pools]
+        pools += [Field(pool_input_name("mla_pools", layer), dtype, (-1, *mla), optional=False),
+                  Field(pool_input_name("index_pools", layer), dtype, (-1, *idx), optional=False)]
+    outs = [Field(LOGITS, "TYPE_FP32", (-1, m.vocab_size))]
+    outs += [Field(f"{p.name}{POOL_OUTPUT_SUFFIX}", p.data_type, p.dims) for p in pools]
     return ins + pools, outs
 
 

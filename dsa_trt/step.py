@@ -1,0 +1,231 @@
+"""The step contract: the inputs of one engine step, defined once (docs/architecture.md §3).
+
+A step packs T tokens from B sequences (prefill chunks and decode tokens mixed). Token t belongs
+to page-table row ``req_idx[t]``, sits at absolute position ``positions[t]``, sees the keys at
+positions ``[0, positions[t]]`` of its own sequence (causal), and is written to cache slot
+``slot_mapping[t]`` (page * 64 + offset; -1 = do not write). The engine returns logits only for
+the tokens listed in ``logits_indices`` (usually the last token of each sequence in the step).
+
+The ``StepInputs`` dataclass below IS the field table: each tensor field carries its dtype, its
+shape in named dims and its padding value (``step_field``). Everything that restates the step
+derives from it: the exported program's positional inputs and dynamic shapes (``export_dims``,
+``dynamic_shapes``), the ONNX input and dim names (``onnx_dim_names``), the TensorRT bindings
+(``STEP_INPUT_NAMES``), the tensor-parallel broadcast (runtime/distributed.py), the CUDA-graph
+static buffers (``StepInputs.padding``) and the Triton step model (runtime/triton/repository.py).
+
+Program I/O around the step inputs: the per-layer cache pools ``mla_pools_<l>`` and
+``index_pools_<l>`` (dim 0 ``pool_pages``), then the outputs ``logits`` [logit_rows, vocab] fp32
+and, in the ONNX / TensorRT form, ``<pool input>_out`` aliased to each written pool.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Mapping, Union
+
+import torch
+
+from dsa_trt.cache_layout import PAGE_SIZE
+
+ROW = "row"  # padding value of a field whose padding rows hold their own row index (0, 1, 2, ...)
+Pad = Union[int, str, None]  # an int: fill value; ROW: the row index; None: any value (never read)
+
+
+@dataclass(frozen=True)
+class StepDim:
+    """A dynamic dimension of the step: its name in every compiled form and its bounds. ``limit``
+    names the EngineConfig field (and export_program argument) that bounds it; ``max`` is used
+    when it has none."""
+
+    name: str
+    min: int
+    limit: str | None = None
+    max: int | None = None
+
+
+STEP_DIMS = (
+    StepDim("tokens", 1, "max_num_tokens"),  # packed tokens of the step (T)
+    StepDim("batch", 1, "max_batch"),  # sequences in the step (B), rows of the page table
+    StepDim("pages_per_seq", 1, "max_pages_per_seq"),  # page-table width
+    StepDim("logit_rows", 1, "max_num_tokens"),  # rows of logits returned (N)
+)
+# dim 0 of every cache pool; min 2 so that tracing does not specialise a one-page pool
+POOL_PAGES = StepDim("pool_pages", 2, None, 1 << 24)
+POOL_INPUTS = ("mla_pools", "index_pools")  # the program's pool arguments after the step tensors
+LOGITS = "logits"
+POOL_OUTPUT_SUFFIX = "_out"
+
+
+@dataclass(frozen=True)
+class StepField:
+    name: str
+    dtype: torch.dtype
+    dims: tuple[str, ...]  # STEP_DIMS names, one per axis
+    pad: Pad  # the value of padding rows in a CUDA-graph bucket (see StepInputs.padding)
+    doc: str
+
+
+_META = "dsa_trt.step"
+
+
+def step_field(dtype: torch.dtype, dims: tuple[str, ...], pad: Pad, doc: str):
+    """A tensor field of StepInputs with its contract (collected into STEP_FIELDS)."""
+    return field(metadata={_META: (dtype, dims, pad, doc)})
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor = step_field(torch.int64, ("tokens",), None, "token id of each packed token")
+    positions: torch.Tensor = step_field(torch.int64, ("tokens",), 0, "absolute position in its sequence")
+    req_idx: torch.Tensor = step_field(torch.int32, ("tokens",), ROW, "its row of page_table")
+    # padding entries of a row: any valid page id (the kernels read them only below the row's length)
+    page_table: torch.Tensor = step_field(torch.int32, ("batch", "pages_per_seq"), 0, "physical pages per row")
+    slot_mapping: torch.Tensor = step_field(torch.int64, ("tokens",), -1, "cache slot written; -1 = none")
+    logits_indices: torch.Tensor = step_field(torch.int64, ("logit_rows",), ROW,
+                                              "packed rows whose logits are returned")
+    # True when every sequence in the step starts at position 0 and its length <= index_topk:
+    # then the dense MHA-form prefill program is exact (top-k would select every key).
+    dense_prefill: bool = False
+
+    def as_tuple(self) -> tuple[torch.Tensor, ...]:
+        """The positional tensor inputs of the exported program (before the cache pools)."""
+        return tuple(getattr(self, f.name) for f in STEP_FIELDS)
+
+    def to(self, device: torch.device | str) -> "StepInputs":
+        moved = (t.to(device, non_blocking=True) for t in self.as_tuple())
+        return StepInputs(*moved, dense_prefill=self.dense_prefill)
+
+    def dim_sizes(self) -> dict[str, int]:
+        """STEP_DIMS name -> this step's size (read from the first field that has the dim)."""
+        sizes: dict[str, int] = {}
+        for f in STEP_FIELDS:
+            shape = getattr(self, f.name).shape
+            for axis, name in enumerate(f.dims):
+                sizes.setdefault(name, shape[axis])
+        return sizes
+
+    @staticmethod
+    def padding(sizes: Mapping[str, int], device: torch.device | str = "cpu") -> "StepInputs":
+        """A step of the given dim sizes holding only padding rows: slot -1 (writes nowhere),
+        position 0 and page 0 (attends to one valid key), req_idx / logits_indices = the row
+        index. The static buffers of a CUDA-graph bucket; ``input_ids`` (pad None) is zeros."""
+        tensors = []
+        for f in STEP_FIELDS:
+            shape = tuple(sizes[d] for d in f.dims)
+            if f.pad == ROW:
+                if len(shape) != 1:
+                    raise ValueError(f"{f.name}: row-index padding needs a 1-d field, got dims {f.dims}")
+                tensors.append(torch.arange(shape[0], dtype=f.dtype, device=device))
+            else:
+                tensors.append(torch.full(shape, f.pad or 0, dtype=f.dtype, device=device))
+        return StepInputs(*tensors)
+
+    @staticmethod
+    def build(
+        seqs: list[tuple[list[int], int, list[int]]],
+        index_topk: int,
+        device: torch.device | str = "cpu",
+        logits_for: str = "last",
+    ) -> "StepInputs":
+        """Pack sequences into a step.
+
+        seqs: one (new_token_ids, start_position, page_ids) per sequence, where page_ids are the
+        physical pages holding positions [0, start + len(new_token_ids)) of that sequence.
+        logits_for: "last" (one row per sequence) or "all" (every packed token).
+        """
+        ids, pos, req, slots, last = [], [], [], [], []
+        max_pages = max(1, max(len(p) for _, _, p in seqs))
+        table = torch.zeros(len(seqs), max_pages, dtype=torch.int32)
+        dense = True
+        for b, (toks, start, pages) in enumerate(seqs):
+            n = len(toks)
+            if n == 0:
+                raise ValueError(f"sequence {b} has no new tokens in this step")
+            need = -(-(start + n) // PAGE_SIZE)
+            if len(pages) < need:
+                raise ValueError(f"sequence {b}: {len(pages)} pages cannot hold {start + n} tokens")
+            table[b, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
+            for i, tok in enumerate(toks):
+                p = start + i
+                ids.append(tok)
+                pos.append(p)
+                req.append(b)
+                slots.append(pages[p // PAGE_SIZE] * PAGE_SIZE + p % PAGE_SIZE)
+            last.append(len(ids) - 1)
+            dense = dense and start == 0 and n <= index_topk
+        logits_indices = list(range(len(ids))) if logits_for == "all" else last
+        return StepInputs(
+            input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
+            positions=torch.tensor(pos, dtype=torch.int64, device=device),
+            req_idx=torch.tensor(req, dtype=torch.int32, device=device),
+            page_table=table.to(device),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=device),
+            dense_prefill=dense,
+        )
+
+
+STEP_FIELDS = tuple(StepField(f.name, *f.metadata[_META]) for f in fields(StepInputs) if _META in f.metadata)
+STEP_INPUT_NAMES = tuple(f.name for f in STEP_FIELDS)  # program / ONNX / TensorRT input names, in order
+
+
+def _check_table() -> None:
+    known = {d.name for d in STEP_DIMS}
+    for f in STEP_FIELDS:
+        unknown = [d for d in f.dims if d not in known]
+        if unknown:
+            raise AssertionError(f"StepInputs.{f.name}: dims {unknown} are not in STEP_DIMS")
+    used = {d for f in STEP_FIELDS for d in f.dims}
+    if used != known:
+        raise AssertionError(f"STEP_DIMS {sorted(known - used)} appear in no StepInputs field")
+
+
+_check_table()
+
+
+def pool_input_name(kind: str, layer: int) -> str:
+    """``mla_pools_<l>`` / ``index_pools_<l>``: the flattened name of a pool argument."""
+    if kind not in POOL_INPUTS:
+        raise ValueError(f"pool kind {kind!r} not in {POOL_INPUTS}")
+    return f"{kind}_{layer}"
+
+
+def dim_bounds(max_num_tokens: int, max_batch: int, max_pages_per_seq: int) -> dict[str, tuple[int, int]]:
+    """Every dynamic dim (the step's and pool_pages) -> (min, max) for these engine limits."""
+    limits = {"max_num_tokens": max_num_tokens, "max_batch": max_batch, "max_pages_per_seq": max_pages_per_seq}
+    bounds = {}
+    for d in (*STEP_DIMS, POOL_PAGES):
+        hi = limits[d.limit] if d.limit is not None else d.max
+        if hi is None or hi < d.min:
+            raise ValueError(f"dim {d.name}: max {hi} (from {d.limit or 'its fixed max'}) is below its min {d.min}")
+        bounds[d.name] = (d.min, hi)
+    return bounds
+
+
+def export_dims(max_num_tokens: int, max_batch: int, max_pages_per_seq: int) -> dict:
+    """Dim name -> torch.export.Dim (one symbol per name, shared by every input that has it)."""
+    from torch.export import Dim
+
+    return {name: Dim(name, min=lo, max=hi)
+            for name, (lo, hi) in dim_bounds(max_num_tokens, max_batch, max_pages_per_seq).items()}
+
+
+def dynamic_shapes(dims: Mapping, num_layers: int) -> tuple:
+    """torch.export dynamic_shapes of ``program(*step.as_tuple(), mla_pools, index_pools)``."""
+    step = tuple({axis: dims[name] for axis, name in enumerate(f.dims)} for f in STEP_FIELDS)
+    pools = [{0: dims[POOL_PAGES.name]}] * num_layers
+    return step + tuple(pools for _ in POOL_INPUTS)
+
+
+def onnx_dim_names() -> dict[tuple[str, int], str]:
+    """(graph input, axis) -> dim name: the first input axis that carries each dim (one symbol per
+    name in the exported graph, so naming that axis names the dim everywhere)."""
+    names: dict[tuple[str, int], str] = {}
+    seen: set[str] = set()
+    for f in STEP_FIELDS:
+        for axis, name in enumerate(f.dims):
+            if name not in seen:
+                names[(f.name, axis)] = name
+                seen.add(name)
+    names[(pool_input_name(POOL_INPUTS[0], 0), 0)] = POOL_PAGES.name
+    return names
