@@ -16,7 +16,7 @@ KERNEL_OBJS := $(patsubst plugins/csrc/%.cu,build/kernels/%.o,$(KERNEL_SRCS))
 KERNEL_LIB := build/libdsa_kernels.so
 NVCC_FLAGS := -O3 -std=c++17 $(CUDA_ARCH) -Xcompiler -fPIC -Xptxas -v --expt-relaxed-constexpr -lineinfo
 
-.PHONY: setup engine test kernels trt-plugins trt-plugins-check clean
+.PHONY: setup engine test kernels trt-plugins trt-plugins-check torch-ops torch-ops-check step-runner clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -49,6 +49,46 @@ build/kernels/%.o: plugins/csrc/%.cu plugins/csrc/*.h plugins/csrc/*.cuh
 
 $(KERNEL_LIB): $(KERNEL_OBJS)
 	$(NVCC) $(CUDA_ARCH) -shared -o $@ $^
+
+# C++ torch binding (build/libdsa_torch_ops.so: the CUDA kernels of torch.ops.dsa.*, plugins/torch_binding)
+# and the standalone decode-step runner (build/dsa_step: no Python). Both link the CUDA torch of
+# $(PY) (the H200's torch 2.11+cu130); on a CPU wheel only torch-ops-check (compile, no link) works.
+CXX ?= g++
+CUDA_HOME ?= /usr/local/cuda
+TORCH_OPS_LIB := build/libdsa_torch_ops.so
+STEP_RUNNER := build/dsa_step
+# torch include flags, ABI define and lib dir of $(PY): asked once, and only by the targets that use them
+TORCH_PY = $(eval TORCH_PY := $$(shell $(PY) -c "import torch, torch.utils.cpp_extension as c, os; print(' '.join('-isystem ' + p for p in c.include_paths()), '-D_GLIBCXX_USE_CXX11_ABI=%d' % torch._C._GLIBCXX_USE_CXX11_ABI, os.path.join(os.path.dirname(torch.__file__), 'lib'))"))$(TORCH_PY)
+TORCH_CXXFLAGS = -O2 -std=c++20 -fPIC $(filter-out $(lastword $(TORCH_PY)),$(TORCH_PY)) -isystem $(CUDA_HOME)/include
+TORCH_LIBDIR = $(lastword $(TORCH_PY))
+TORCH_LDLIBS = -L$(TORCH_LIBDIR) -Wl,--no-as-needed -ltorch -ltorch_cpu -lc10 -lc10_cuda -ltorch_cuda -Wl,--as-needed \
+	-Wl,-rpath,$(TORCH_LIBDIR)
+TORCH_OPS_SRC := plugins/torch_binding/dsa_torch_ops.cpp
+STEP_SRCS := runtime/cpp/dsa_step.cpp plugins/torch_binding/dsa_schemas.cpp
+# The CPU wheel ships c10/cuda headers without their generated cuda_cmake_macros.h: a stand-in for the check only.
+TORCH_SHIM := build/torch-shim/c10/cuda/impl/cuda_cmake_macros.h
+
+torch-ops: $(TORCH_OPS_LIB)
+
+$(TORCH_OPS_LIB): $(TORCH_OPS_SRC) plugins/csrc/dsa_kernels.h $(KERNEL_LIB)
+	$(CXX) $(TORCH_CXXFLAGS) -Wall -Wextra -shared -o $@ $< -Lbuild -Wl,--no-as-needed -ldsa_kernels \
+		$(TORCH_LDLIBS) -Wl,-rpath,'$$ORIGIN'
+
+$(TORCH_SHIM):
+	@mkdir -p $(dir $@)
+	printf '#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n' > $@
+
+# compile-only check (no link) of the binding and the step runner: works on a CPU torch wheel (CI)
+torch-ops-check: $(TORCH_SHIM)
+	$(CXX) $(TORCH_CXXFLAGS) -isystem build/torch-shim -Wall -Wextra -Werror -fsyntax-only $(TORCH_OPS_SRC)
+	$(CXX) $(TORCH_CXXFLAGS) -isystem build/torch-shim -Wall -Wextra -Werror -fsyntax-only $(STEP_SRCS)
+
+step-runner: $(STEP_RUNNER)
+
+# The binding is linked --no-as-needed: nothing references its symbols, its static registrars are the point.
+$(STEP_RUNNER): $(STEP_SRCS) $(TORCH_OPS_LIB)
+	$(CXX) $(TORCH_CXXFLAGS) -Wall -Wextra -o $@ $(STEP_SRCS) -Lbuild -Wl,--no-as-needed -ldsa_torch_ops \
+		-ldsa_kernels $(TORCH_LDLIBS) -Wl,-rpath,'$$ORIGIN'
 
 # TensorRT plugin library (needs TENSORRT_ROOT or TENSORRT_INCLUDE; says plainly what it skipped)
 trt-plugins: kernels

@@ -29,7 +29,6 @@ Usage: python benchmarks/bench_sparse_mla.py [--iters 20] [--md out.md] [--only 
 from __future__ import annotations
 
 import argparse
-import ctypes
 
 import torch
 
@@ -91,18 +90,14 @@ class Launch:
         self.lse = torch.empty(t, h, dtype=torch.float32, device="cuda")
         ws_bytes = lib.sparse_mla_workspace_size(t, h, slots.shape[1], K.CACHE_FP8)
         self.workspace = torch.empty(ws_bytes, dtype=torch.uint8, device="cuda") if ws_bytes else None
-        self.keep = (q, pool, slots)
-        self.p = K.SparseMlaParams(
-            K._ptr(q), K._ptr(pool), K._ptr(slots), K._ptr(self.out), K._ptr(self.lse), t, h, slots.shape[1],
-            q.stride(0), q.stride(1), pool.shape[0] * PAGE, kv_scale, SM_SCALE, K.CACHE_FP8, num_splits,
-            K._ptr(self.workspace))
-        self.fn = lib.launchers["sparse_mla"]
-        self.lib = lib
+        self.args = (q, pool, slots, self.out, self.lse)
+        self.kw = dict(fmt=K.CACHE_FP8, num_splits=num_splits, workspace=self.workspace, kv_scale=kv_scale,
+                       sm_scale=SM_SCALE)
 
     def __call__(self):
-        status = self.fn(ctypes.byref(self.p), ctypes.c_void_p(torch.cuda.current_stream().cuda_stream))
+        status, msg = K.sparse_mla_launch(*self.args, **self.kw)
         if status != 0:
-            raise RuntimeError(f"sparse_mla: {status}: {self.lib.last_error()}")
+            raise RuntimeError(f"sparse_mla: {status}: {msg}")
 
 
 def decode_case(b: int, s_q: int, h: int, topk: int, s_k: int, g: torch.Generator, num_splits: int = 0):

@@ -11,6 +11,7 @@ export time (export/sharding.py) and exported and compiled into rank<r>.* files.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import importlib.util
 import shutil
@@ -122,7 +123,10 @@ def build_engine(checkpoint: str | Path, out: str | Path, tp: int = 1, cache_mod
     if device == "cuda":
         from dsa_trt.plugins import cuda_ops
 
-        cuda_ops.load()
+        try:  # a CUDA build traces and calibrates through the kernels: they must serve this mode
+            cuda_ops.check_engine(device, cache_mode, dtype, what=f"--device cuda --cache {cache_mode} --dtype {dtype}")
+        except RuntimeError as e:
+            raise BuildError(str(e)) from e
 
     ckpt = Checkpoint(checkpoint)
     cfg = ckpt.config
@@ -137,7 +141,9 @@ def build_engine(checkpoint: str | Path, out: str | Path, tp: int = 1, cache_mod
             how = f"reused {kv_calibration} (ModelOpt {cal.modelopt_version}, {cal.num_tokens} tokens)"
         else:
             calib_path = Path(calib_file or DEFAULT_CALIB_TEXT)
-            cal = calibrate(ckpt, calib_path.read_text(encoding="utf-8"), device, calib_source=calib_path.name)
+            # calibration runs the exact fp32 mode, which no CUDA kernel serves: the references, explicitly
+            with cuda_ops.reference_ops() if device == "cuda" else contextlib.nullcontext():
+                cal = calibrate(ckpt, calib_path.read_text(encoding="utf-8"), device, calib_source=calib_path.name)
             how = f"ModelOpt {cal.modelopt_version} calibrated {cal.num_tokens} tokens"
         kv_scales = cal.kv_scales
         artifact = cal.save(out / "quant")

@@ -48,7 +48,10 @@ class Engine:
         if dev.type == "cuda":
             from dsa_trt.plugins import cuda_ops
 
-            cuda_ops.load()
+            try:  # the kernels must serve this engine: no silent fallback to the 20-37x slower reference
+                cuda_ops.check_engine(dev, cfg.cache_mode, cfg.dtype, what=str(engine_dir))
+            except RuntimeError as e:
+                raise EngineDirError(str(e)) from e
         if cfg.compiler == "aoti":
             sparse = _load_aoti(engine_dir / cfg.rank_file(rank), dev)
             dense = _load_aoti(engine_dir / cfg.rank_file(rank, dense=True), dev)

@@ -3,7 +3,6 @@ against the independent references in tests/helpers/ref_dsa_ops.py. Runs on the 
 
 from __future__ import annotations
 
-import ctypes
 import os
 import subprocess
 import sys
@@ -262,12 +261,11 @@ def test_indexer_logits_bf16(K, heads):
 
 
 def test_indexer_logits_unsupported_heads_message(K):
-    lib = K.library()
-    dummy = torch.zeros(1024, dtype=torch.uint8, device=DEV)
-    ptr = ctypes.c_void_p(dummy.data_ptr())
-    p = K.IndexerLogitsParams(ptr, ptr, ptr, ptr, ptr, ptr, ptr, 1, 48, 1, 64, K.CACHE_FP8)
-    status = lib.launchers["indexer_logits"](ctypes.byref(p), ctypes.c_void_p(0))
-    assert status == -2 and "num_heads=48" in lib.last_error(), (status, lib.last_error())
+    q, w, keys, page_table, req_idx, seq = make_logit_inputs(64, 1, 1, 1, [64], 4, 5)
+    q8, _ = quant_q(q)
+    pool = R.build_index_pool(keys)
+    with pytest.raises(NotImplementedError, match="num_heads=48"):  # the launcher's DSA_ERR_UNSUPPORTED
+        K.indexer_logits(q8[:, :48].contiguous(), w[:, :48].contiguous(), pool, page_table, req_idx, seq)
     with pytest.raises(ValueError, match="lengths dtype torch.int64"):
         K.topk_translate(torch.zeros(2, 64, device=DEV), torch.zeros(2, dtype=torch.int64, device=DEV),
                          torch.zeros(1, 1, dtype=torch.int32, device=DEV), torch.zeros(2, dtype=torch.int32, device=DEV), 4)

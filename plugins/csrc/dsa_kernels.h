@@ -7,7 +7,7 @@
 //
 // Conventions:
 //   * Every launcher returns 0 on success or a negative DSA_ERR_* code; dsa_last_error_message()
-//     then names the bad value (e.g. "sparse_mla: num_heads=48 unsupported (16, 32, 64, 128)").
+//     then names the bad value (e.g. "indexer_logits: num_heads=48 unsupported (64, 32)").
 //   * Launchers only enqueue work on `stream` (no allocation, no sync): CUDA-graph safe.
 //   * Pools: page size 64 tokens; a slot is page * 64 + offset; slot -1 means "skip".
 //   * fp8 is OCP e4m3fn (max 448).
@@ -173,6 +173,10 @@ int dsa_indexer_topk_describe(const DsaIndexerTopkParams* p, char* buf, size_t l
 // 1 never splits; n > 1 asks for about n chunks (ceil(tiles / ceil(tiles / n)), whole tiles) and
 // fails if that needs more than 132 CTAs or workspace is NULL. With num_splits = 0 and workspace
 // NULL the launcher runs unsplit. The bf16 pool (exact mode) never splits and ignores both.
+//
+// Heads: the kernels are instantiated for 16, 32, 64 and 128 heads. Any other num_heads <= 128
+// runs zero-padded to the next of them inside the launcher (q copied into the workspace, the real
+// heads of out / lse copied back): it then needs the workspace, of either format.
 typedef struct {
   const void* q;               // [T, heads, 576] bf16 (absorbed: [q_lat; q_pe])
   const void* pool;            // [num_pages, 64, 576] uint8 (fp8) or bf16
@@ -180,7 +184,7 @@ typedef struct {
   void* out;                   // [T, heads, 512] bf16
   float* lse;                  // [T, heads] fp32 (may be NULL)
   int64_t num_tokens;
-  int num_heads;               // 16, 32, 64, 128
+  int num_heads;               // 1..128 (16, 32, 64, 128 direct; others padded, see above)
   int topk;
   int64_t q_stride_token;      // elements
   int64_t q_stride_head;
@@ -193,7 +197,8 @@ typedef struct {
 } DsaSparseMlaParams;
 
 // Bytes of workspace any launch with at most num_tokens tokens (same heads, topk, format) may
-// use: size it for the largest T of a TensorRT profile. Independent of the device; 0 for bf16.
+// use: size it for the largest T of a TensorRT profile. Independent of the device; 0 for bf16
+// with an instantiated head count.
 size_t dsa_sparse_mla_workspace_size(int64_t num_tokens, int num_heads, int topk, int format);
 int dsa_launch_sparse_mla(const DsaSparseMlaParams* p, cudaStream_t stream);
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -19,10 +20,11 @@ def teacher_forced_steps(engine_dir, tiny_ckpt, device: str, dtype: torch.dtype,
     """Teacher-forced greedy decoding of PROMPTS: each prompt's prefill, then decode steps fed the
     eager network's own greedy tokens, through the compiled engine and the eager network with the
     same operators (on the GPU our CUDA kernels), each on its own paged caches. Below fp32 an fp32
-    eager network (its own caches; ops without a kernel for fp32 run the plain-torch reference)
+    eager network (its own caches; its ops run the plain-torch reference, cuda_ops.reference_ops())
     runs beside them as the precision reference. Yields one dict per step: prompt, pos, compiled /
     eager / ref logits (fp32, last position)."""
     from dsa_trt.export.checkpoint import Checkpoint
+    from dsa_trt.plugins import cuda_ops
     from dsa_trt.export.program import build_network
     from dsa_trt.plugins.pools import allocate_pools
     from dsa_trt.runtime.engine import Engine
@@ -46,7 +48,10 @@ def teacher_forced_steps(engine_dir, tiny_ckpt, device: str, dtype: torch.dtype,
             rec = {"prompt": i, "pos": pos, "compiled": engine.forward(step, *pools["compiled"])[-1].float()}
             with torch.no_grad():
                 for dt in dtypes:
-                    out = nets[(dt, step.dense_prefill)](*step.as_tuple(), *pools[dt])[-1].float()
+                    # no CUDA kernel takes fp32 activations: the precision reference asks for the references
+                    plain = dt != dtype and device != "cpu"
+                    with cuda_ops.reference_ops() if plain else contextlib.nullcontext():
+                        out = nets[(dt, step.dense_prefill)](*step.as_tuple(), *pools[dt])[-1].float()
                     rec["eager" if dt == dtype else "ref"] = out
             token = rec["eager"].argmax().item()
             yield rec
