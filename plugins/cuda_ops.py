@@ -1,4 +1,4 @@
-"""The CUDA kernels of ``torch.ops.dsa.*``: loading the C++ torch binding (DESIGN §3).
+"""The CUDA kernels of ``torch.ops.dsa.*``: loading the C++ torch binding (docs/architecture.md §4).
 
 ``build/libdsa_torch_ops.so`` (``make kernels torch-ops``; plugins/torch_binding/dsa_torch_ops.cpp)
 registers the CUDA implementations of the ``dsa`` ops from C++ and links the kernel library
