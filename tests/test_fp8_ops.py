@@ -332,3 +332,73 @@ def test_fake_kernels_check_shapes_under_export():
     bad.w13_scale = bad.w13_scale[:, :1].contiguous()
     with pytest.raises(Fp8OpError, match="w13_scale must be"):
         torch.export.export(bad, args)
+
+
+# ------------------------------------------------------------------------------ checkpoint access
+class _Recording:
+    """Wraps Checkpoint.raw to record which tensors a call reads (the reads stay real)."""
+
+    def __init__(self, ckpt):
+        self.names: list[str] = []
+        self._raw = ckpt.raw
+        ckpt.raw = self
+
+    def __call__(self, name):
+        self.names.append(name)
+        return self._raw(name)
+
+
+def test_checkpoint_fp8_weight_and_stacked_experts(tiny_ckpt):
+    from dsa_trt.export.checkpoint import Checkpoint, dequantize_fp8_blockwise, scale_name
+
+    with Checkpoint(tiny_ckpt) as ckpt:
+        cfg = ckpt.config
+        layer, lo, hi = cfg.first_k_dense_replace, 2, 5
+        kv_a = f"model.layers.{layer}.self_attn.kv_a_proj_with_mqa.weight"
+        w, s = ckpt.fp8_weight(kv_a)
+        assert w.dtype == torch.float8_e4m3fn and s.dtype == torch.float32
+        assert s.shape == (math.ceil(w.shape[0] / 128), math.ceil(w.shape[1] / 128))
+        assert torch.equal(w.view(torch.uint8), ckpt.raw(kv_a).view(torch.uint8))
+        with pytest.raises(ValueError, match="not F8_E4M3: read it with get()"):
+            ckpt.fp8_weight("model.embed_tokens.weight")
+
+        reads = _Recording(ckpt)
+        w13, s13, w2, s2 = ckpt.stacked_experts(layer, lo, hi)
+        p = f"model.layers.{layer}.mlp.experts."
+        wanted = {f"{p}{e}.{proj}_proj.weight{sfx}" for e in range(lo, hi) for proj in ("gate", "up", "down")
+                  for sfx in ("", "_scale_inv")}
+        assert sorted(reads.names) == sorted(wanted), "stacked_experts must read exactly its experts, once each"
+        inter, hidden = cfg.moe_intermediate_size, cfg.hidden_size
+        assert w13.shape == (hi - lo, 2 * inter, hidden) and w2.shape == (hi - lo, hidden, inter)
+        assert s13.shape == (hi - lo, math.ceil(2 * inter / 128), math.ceil(hidden / 128))
+        assert s2.shape == (hi - lo, math.ceil(hidden / 128), math.ceil(inter / 128))
+        for i, e in enumerate(range(lo, hi)):
+            for name, weight, scale in ((f"{p}{e}.gate_proj.weight", w13[i, :inter], s13[i, : inter // 128]),
+                                        (f"{p}{e}.up_proj.weight", w13[i, inter:], s13[i, inter // 128 :]),
+                                        (f"{p}{e}.down_proj.weight", w2[i], s2[i])):
+                assert torch.equal(dequantize_fp8_blockwise(weight, scale), ckpt.get(name)), name
+                assert torch.equal(scale, ckpt.raw(scale_name(name)))
+        with pytest.raises(ValueError, match="has no routed experts"):
+            ckpt.stacked_experts(0, 0, 1)
+        with pytest.raises(ValueError, match=r"experts \[3, 3\) must be a non-empty range"):
+            ckpt.stacked_experts(layer, 3, 3)
+        with pytest.raises(ValueError, match="n_routed_experts"):
+            ckpt.stacked_experts(layer, 0, cfg.n_routed_experts + 1)
+
+
+def test_checkpoint_stacked_experts_bf16(tiny_ckpt, tmp_path):
+    from dsa_trt.export.checkpoint import Checkpoint
+    from dsa_trt.export.tiny_checkpoint import write_dequantized_hf_copy
+
+    dst = write_dequantized_hf_copy(tiny_ckpt, tmp_path / "bf16")
+    with Checkpoint(dst) as ckpt:
+        layer = ckpt.config.first_k_dense_replace
+        inter = ckpt.config.moe_intermediate_size
+        w13, s13, w2, s2 = ckpt.stacked_experts(layer, 0, ckpt.config.n_routed_experts)
+        assert s13 is None and s2 is None and w13.dtype == torch.bfloat16
+        p = f"model.layers.{layer}.mlp.experts.3."
+        assert torch.equal(w13[3, :inter], ckpt.get(p + "gate_proj.weight", torch.bfloat16))
+        assert torch.equal(w13[3, inter:], ckpt.get(p + "up_proj.weight", torch.bfloat16))
+        assert torch.equal(w2[3], ckpt.get(p + "down_proj.weight", torch.bfloat16))
+        with pytest.raises(ValueError, match="not F8_E4M3"):
+            ckpt.fp8_weight(p + "gate_proj.weight")
