@@ -402,3 +402,63 @@ def test_checkpoint_stacked_experts_bf16(tiny_ckpt, tmp_path):
         assert torch.equal(w2[3], ckpt.get(p + "down_proj.weight", torch.bfloat16))
         with pytest.raises(ValueError, match="not F8_E4M3"):
             ckpt.fp8_weight(p + "gate_proj.weight")
+
+
+# ------------------------------------------------------------------------------ ONNX plugin nodes
+def test_onnx_export_emits_plugin_nodes(tmp_path):
+    """Both ops become one dsa-domain node each, attributes = the plugin fields (PLUGINS.md), the
+    fp8 weights FLOAT8E4M3FN initializers; the bf16 MoE gets FLOAT [1] scale placeholders."""
+    import onnx
+
+    from dsa_trt.builder.onnx_export import PLUGINS, export_onnx, tensorrt_problems
+
+    g = torch.Generator().manual_seed(2)
+    w, s = R.quantize_weight64(torch.randn(256, 200, generator=g) * 0.05, True)
+    w13, s13, w2, s2 = make_experts(4, 256, 128, True, g)
+    b13, _, b2, _ = make_experts(2, 256, 128, True, g, bf16=True)
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            for k, v in dict(w=w, s=s, w13=w13, s13=s13, w2=w2, s2=s2, b13=b13, b2=b2).items():
+                self.register_buffer(k, v)
+
+        def forward(self, x, ids, weights):
+            h = torch.ops.dsa.fp8_block_linear(x, self.w, self.s, True)  # [T, 256] bf16
+            routed = torch.ops.dsa.moe_experts(h, ids, weights, self.w13, self.s13, self.w2, self.s2, 16, 4, True)
+            dense = torch.ops.dsa.moe_experts(h, ids, weights, self.b13, None, self.b2, None, 16, 8, False)
+            return routed + dense
+
+    x = make_x(5, 200, g)
+    ids, weights = route(5, 16, 3, g)
+    tokens = torch.export.Dim("tokens", min=1, max=1024)
+    ep = torch.export.export(Block(), (x, ids, weights), dynamic_shapes=({0: tokens}, {0: tokens}, {0: tokens}))
+    model = onnx.load(str(export_onnx(ep, tmp_path / "fp8.onnx")))
+    onnx.checker.check_model(model)
+    nodes = [n for n in model.graph.node if n.domain == "dsa"]
+    assert [n.op_type for n in nodes] == ["DsaFp8BlockLinear", "DsaMoeExperts", "DsaMoeExperts"]
+    attrs = [{a.name: onnx.helper.get_attribute_value(a) for a in n.attribute} for n in nodes]
+    strings = {"plugin_namespace": b"dsa", "plugin_version": b"1"}
+    assert attrs[0] == {"pow2_scales": 1, **strings}
+    assert attrs[1] == {"num_experts": 16, "expert_offset": 4, "weight_format": 0, "pow2_scales": 1, **strings}
+    assert attrs[2] == {"num_experts": 16, "expert_offset": 8, "weight_format": 1, "pow2_scales": 0, **strings}
+    for n, a in zip(nodes, attrs):
+        assert set(a) == {f for f, _ in PLUGINS[n.op_type].fields} | set(strings)
+        assert len(n.input) == len(PLUGINS[n.op_type].inputs)
+    inits = {t.name: t for t in model.graph.initializer}
+    consts = {n.output[0]: n for n in model.graph.node if n.op_type == "Constant"}
+
+    def dtype_of(name):
+        if name in inits:
+            return inits[name].data_type, list(inits[name].dims)
+        t = onnx.helper.get_attribute_value(consts[name].attribute[0])
+        return (t.data_type, list(t.dims)) if hasattr(t, "data_type") else (onnx.TensorProto.FLOAT, [len(t)])
+
+    assert dtype_of(nodes[0].input[1]) == (onnx.TensorProto.FLOAT8E4M3FN, [256, 200])
+    assert dtype_of(nodes[0].input[2]) == (onnx.TensorProto.FLOAT, [2, 2])
+    assert dtype_of(nodes[1].input[3]) == (onnx.TensorProto.FLOAT8E4M3FN, [4, 256, 256])
+    assert dtype_of(nodes[1].input[4]) == (onnx.TensorProto.FLOAT, [4, 2, 2])
+    assert dtype_of(nodes[2].input[3]) == (onnx.TensorProto.BFLOAT16, [2, 256, 256])
+    assert dtype_of(nodes[2].input[4]) == (onnx.TensorProto.FLOAT, [1])
+    assert nodes[1].input[0] == nodes[0].output[0] and nodes[2].input[0] == nodes[0].output[0]
+    assert tensorrt_problems(model) == []
