@@ -41,6 +41,7 @@ from torch.utils import _pytree as pytree
 
 import dsa_trt.plugins.collectives  # noqa: F401  (registers torch.ops.dsa.all_reduce)
 from dsa_trt.cache_layout import CACHE_FORMATS  # the plugins' cache_format field
+from dsa_trt.plugins.fp8_ops import PLUGIN_NAMES as FP8_PLUGIN_NAMES
 from dsa_trt.plugins.ops import PLUGIN_NAMES
 from dsa_trt.step import LOGITS, POOL_OUTPUT_SUFFIX, onnx_dim_names
 
@@ -183,7 +184,19 @@ PLUGINS: dict[str, PluginNode] = {
         (("out", "act"), ("lse", "float")),
         (("num_heads", "int"), ("topk", "int"), ("kv_scale", "float"), ("sm_scale", "float"),
          ("cache_format", "int"))),
+    # The real-size linear operators (plugins/fp8_ops.py). Their weights are graph initializers: e4m3
+    # (FLOAT8E4M3FN) with FLOAT block scales, or bf16 for the MoE's weight_format=1, where the two
+    # scale inputs are FLOAT [1] placeholders (onnx-tensorrt's plugin importer has no optional inputs).
+    "DsaFp8BlockLinear": PluginNode(
+        (("x", "act"), ("weight", "weight"), ("weight_scale", "float")),
+        (("out", "act"),), (("pow2_scales", "int"),)),
+    "DsaMoeExperts": PluginNode(
+        (("x", "act"), ("topk_ids", "int32"), ("topk_weights", "float"), ("w13", "weight"), ("w13_scale", "float"),
+         ("w2", "weight"), ("w2_scale", "float")),
+        (("out", "float"),),
+        (("num_experts", "int"), ("expert_offset", "int"), ("weight_format", "int"), ("pow2_scales", "int"))),
 }
+MOE_WEIGHT_FORMATS = {"fp8_block": 0, "bf16": 1}  # DsaMoeExperts weight_format (DsaMoeWeightFormat)
 # dsa::all_reduce of tensor-parallel programs (plugins/collectives.py): emitted, but the plugin
 # library has no such plugin yet, so tensorrt_problems() reports it (TP>1 engines: --compiler aoti).
 COLLECTIVES: dict[str, PluginNode] = {
@@ -194,6 +207,7 @@ _SCHEMA_TYPES = {
     "act": ("TA", ["tensor(bfloat16)", "tensor(float)"]),
     "pool": ("TP", ["tensor(int32)", "tensor(int8)", "tensor(uint8)", "tensor(bfloat16)"]),
     "q": ("TQ", ["tensor(float8e4m3fn)", "tensor(bfloat16)", "tensor(float)"]),
+    "weight": ("TW", ["tensor(float8e4m3fn)", "tensor(bfloat16)"]),
     "float": ("tensor(float)", None), "int32": ("tensor(int32)", None), "int64": ("tensor(int64)", None),
 }
 # What TensorRT accepts at the plugin boundary (PLUGINS.md), by kind and cache_format
@@ -201,6 +215,7 @@ _TRT_TYPES = {
     "act": {0: {ir.DataType.BFLOAT16}, 1: {ir.DataType.BFLOAT16}},
     "pool": {0: set(CARRIER_TYPES.values()), 1: {ir.DataType.BFLOAT16}},
     "q": {0: {ir.DataType.FLOAT8E4M3FN}, 1: {ir.DataType.BFLOAT16}},
+    "weight": {f: {ir.DataType.FLOAT8E4M3FN, ir.DataType.BFLOAT16} for f in (0, 1)},
     "float": {f: {ir.DataType.FLOAT} for f in (0, 1)},
     "int32": {f: {ir.DataType.INT32} for f in (0, 1)},
     "int64": {f: {ir.DataType.INT64} for f in (0, 1)},
@@ -260,6 +275,20 @@ def _sparse_mla(q, pool, slots, kv_scale: float, sm_scale: float):
     return _OPS["DsaSparseMla"](q, pool, slots, num_heads=int(q.shape[1]), topk=int(slots.shape[1]),
                                 kv_scale=float(kv_scale), sm_scale=float(sm_scale), cache_format=_cache_format(pool),
                                 **PLUGIN_STRINGS)
+
+
+def _fp8_block_linear(x, weight, weight_scale, pow2_scales: bool):
+    return _OPS["DsaFp8BlockLinear"](x, weight, weight_scale, pow2_scales=int(pow2_scales), **PLUGIN_STRINGS)
+
+
+def _moe_experts(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, num_experts: int, expert_offset: int,
+                 pow2_scales: bool):
+    fmt = MOE_WEIGHT_FORMATS["bf16" if w13_scale is None else "fp8_block"]
+    if w13_scale is None:  # bf16 experts: the plugin ignores these FLOAT [1] placeholders
+        w13_scale = w2_scale = op.Constant(value_floats=[0.0])
+    return _OPS["DsaMoeExperts"](x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale,
+                                 num_experts=int(num_experts), expert_offset=int(expert_offset), weight_format=fmt,
+                                 pow2_scales=int(pow2_scales), **PLUGIN_STRINGS)
 
 
 def _all_reduce(x, group_size: int):
@@ -332,8 +361,10 @@ TRANSLATIONS = {
     torch.ops.dsa.topk_translate.default: _topk_translate,
     torch.ops.dsa.sparse_mla.default: _sparse_mla,
     torch.ops.dsa.all_reduce.default: _all_reduce,
+    torch.ops.dsa.fp8_block_linear.default: _fp8_block_linear,
+    torch.ops.dsa.moe_experts.default: _moe_experts,
 }
-assert sorted(PLUGINS) == sorted(PLUGIN_NAMES.values())
+assert sorted(PLUGINS) == sorted({**PLUGIN_NAMES, **FP8_PLUGIN_NAMES}.values())
 
 
 # ---------------------------------------------------------------- 3. the exported graph, finished

@@ -170,7 +170,10 @@ def quantize_fp8_blockwise(
     blocks = padded.view(rows, bo, cols, bi)
     scale = blocks.abs().amax(dim=(1, 3)).clamp_min(FP8_SCALE_AMAX_FLOOR) / FP8_E4M3_MAX  # [rows, cols]
     if pow2_scales:
-        scale = torch.exp2(torch.ceil(torch.log2(scale)))
+        # From the exponent bits: fp32 log2 rounds 2^k * (1 + 2^-23) to exactly k, so
+        # ceil(log2(s)) would round such a scale down and saturate the block's amax.
+        mantissa, exponent = torch.frexp(scale)
+        scale = torch.where(mantissa == 0.5, scale, torch.ldexp(torch.ones_like(scale), exponent))
     q = (blocks / scale[:, None, :, None]).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(FP8)
     return q.view(rows * bo, cols * bi)[:out_features, :in_features].contiguous(), scale
 
@@ -249,6 +252,64 @@ class Checkpoint:
             return self.raw(name).to(dtype)
         block = self.config.fp8_weight_block
         return dequantize_fp8_blockwise(self.raw(name), self.raw(scale_name(name)), block).to(dtype)
+
+    def fp8_weight(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """An fp8 Linear as stored: (e4m3 weight [out, in], fp32 scale [ceil(out/128), ceil(in/128)])."""
+        if not self.is_fp8(name):
+            raise ValueError(
+                f"{name} is stored as {self._header(name).dtype_name}, not F8_E4M3: read it with get() "
+                "(only the Linears of an fp8 block-quantized checkpoint have a weight_scale_inv)"
+            )
+        return self.raw(name), self.raw(scale_name(name)).float()
+
+    def stacked_experts(
+        self, layer: int, lo: int, hi: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+        """Routed experts lo..hi-1 of MoE ``layer`` in the layout of dsa::moe_experts, as stored:
+
+        w13 [E, 2I, D] (gate_proj rows, then up_proj rows), w13_scale [E, 2*ceil(I/128), ceil(D/128)],
+        w2 [E, D, I] (down_proj), w2_scale [E, ceil(D/128), ceil(I/128)]; e4m3 + fp32 scales for an
+        fp8 checkpoint, bf16 with both scales None otherwise. Reads only these 3 * E tensors (and
+        their scales), each once, into the stacked buffers."""
+        cfg = self.config
+        if not cfg.first_k_dense_replace <= layer < cfg.num_hidden_layers + cfg.num_nextn_predict_layers:
+            raise ValueError(
+                f"layer {layer} has no routed experts: MoE layers are {cfg.first_k_dense_replace}.."
+                f"{cfg.num_hidden_layers + cfg.num_nextn_predict_layers - 1} (first_k_dense_replace="
+                f"{cfg.first_k_dense_replace})"
+            )
+        if not 0 <= lo < hi <= cfg.n_routed_experts:
+            raise ValueError(f"experts [{lo}, {hi}) must be a non-empty range in [0, n_routed_experts={cfg.n_routed_experts}]")
+        p = f"model.layers.{layer}.mlp.experts."
+        first = p + f"{lo}.gate_proj.weight"
+        fp8 = self.is_fp8(first)
+        inter, hidden = self._header(first).shape
+        if fp8 and inter % self.config.fp8_weight_block[0]:
+            raise ValueError(
+                f"moe_intermediate_size={inter} is not a multiple of the {self.config.fp8_weight_block[0]}-row "
+                "scale block: gate and up would share a scale row once stacked; dsa::moe_experts needs I % 128 == 0"
+            )
+        n = hi - lo
+        dtype = FP8 if fp8 else torch.bfloat16
+        w13 = torch.empty(n, 2 * inter, hidden, dtype=dtype)
+        w2 = torch.empty(n, hidden, inter, dtype=dtype)
+        w13_scale = w2_scale = None
+        if fp8:
+            bo, bi = self.config.fp8_weight_block
+            w13_scale = torch.empty(n, 2 * math.ceil(inter / bo), math.ceil(hidden / bi), dtype=torch.float32)
+            w2_scale = torch.empty(n, math.ceil(hidden / bo), math.ceil(inter / bi), dtype=torch.float32)
+        for i, e in enumerate(range(lo, hi)):
+            names = [f"{p}{e}.{proj}_proj.weight" for proj in ("gate", "up", "down")]
+            for name, dst, rows in ((names[0], w13, slice(0, inter)), (names[1], w13, slice(inter, 2 * inter)),
+                                    (names[2], w2, slice(None))):
+                if fp8:
+                    weight, scale = self.fp8_weight(name)
+                    dst[i, rows] = weight
+                    scale_rows = slice(rows.start // bo, rows.stop // bo) if rows.stop else slice(None)
+                    (w13_scale if dst is w13 else w2_scale)[i, scale_rows] = scale
+                else:
+                    dst[i, rows] = self.raw(name).to(torch.bfloat16)
+        return w13, w13_scale, w2, w2_scale
 
     def close(self) -> None:
         self._handles.clear()

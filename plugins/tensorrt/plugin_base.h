@@ -1,4 +1,4 @@
-// DSA-TRT TensorRT plugins: the IPluginV3 boilerplate shared by the five adapters (included by
+// DSA-TRT TensorRT plugins: the IPluginV3 boilerplate shared by the seven adapters (included by
 // plugin_common.h). Every TensorRT entry point is noexcept and turns a PluginError (or any
 // exception) into a logged message and a non-zero status.
 //
@@ -264,5 +264,7 @@ nv::IPluginCreatorV3One& indexerKCacheWriteCreator() noexcept;
 nv::IPluginCreatorV3One& indexerLogitsCreator() noexcept;
 nv::IPluginCreatorV3One& topkTranslateCreator() noexcept;
 nv::IPluginCreatorV3One& sparseMlaCreator() noexcept;
+nv::IPluginCreatorV3One& fp8BlockLinearCreator() noexcept;
+nv::IPluginCreatorV3One& moeExpertsCreator() noexcept;
 
 } // namespace dsa_trt

@@ -1,4 +1,4 @@
-// DSA-TRT TensorRT plugins: what the five IPluginV3 adapters share.
+// DSA-TRT TensorRT plugins: what the seven IPluginV3 adapters share.
 //
 // A plugin is an adapter (STYLE.md): fields, shape inference, format check, workspace size,
 // enqueue -> dsa_launch_*, serialisation of its few scalars. No logic lives here. The contract

@@ -2,7 +2,7 @@
 //
 // One shared object serves every way TensorRT tools load plugins:
 //   * plain dlopen (trtexec --staticPlugins, polygraphy --plugins, Triton's plugins=, ctypes.CDLL,
-//     linking): a static initialiser registers the five creators under namespace "dsa" when the
+//     linking): a static initialiser registers the seven creators under namespace "dsa" when the
 //     library is loaded -- REGISTER_TENSORRT_PLUGIN's mechanism, but passing our namespace (the
 //     macro passes "") and remembering what it registered. DSA_TRT_STATIC_REGISTRATION=0 turns it
 //     off; initDsaTrtPlugins() then registers explicitly (like initLibNvInferPlugins).
@@ -24,7 +24,7 @@ namespace dsa_trt
 namespace
 {
 
-constexpr size_t kNbCreators = 5;
+constexpr size_t kNbCreators = 7;
 
 std::array<nv::IPluginCreatorInterface*, kNbCreators> const& allCreators() noexcept
 {
@@ -34,6 +34,8 @@ std::array<nv::IPluginCreatorInterface*, kNbCreators> const& allCreators() noexc
         &indexerLogitsCreator(),
         &topkTranslateCreator(),
         &sparseMlaCreator(),
+        &fp8BlockLinearCreator(),
+        &moeExpertsCreator(),
     };
     return list;
 }

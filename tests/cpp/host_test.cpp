@@ -1,4 +1,4 @@
-// Host-side test of the five plugin adapters against the TensorRT headers alone (make host-test):
+// Host-side test of the seven plugin adapters against the TensorRT headers alone (make host-test):
 // the stand-ins of host_test.h and the checks every case goes through (testFields, testPlugin).
 // host_test_main.cpp holds the cases, the registration test and main().
 #include "host_test.h"
@@ -46,7 +46,22 @@ DSA_STUB(dsa_launch_indexer_k_cache_write, DsaIndexerKCacheWriteParams, indexerK
 DSA_STUB(dsa_launch_indexer_logits, DsaIndexerLogitsParams, logits)
 DSA_STUB(dsa_launch_topk_translate, DsaTopkTranslateParams, topk)
 DSA_STUB(dsa_launch_sparse_mla, DsaSparseMlaParams, sparse)
+DSA_STUB(dsa_launch_fp8_block_linear, DsaFp8BlockLinearParams, linear)
+DSA_STUB(dsa_launch_moe_experts, DsaMoeExpertsParams, moe)
 // clang-format on
+size_t dsa_fp8_block_linear_workspace_size(int64_t num_tokens, int n, int k)
+{
+    int64_t* w = launches().wsLinear;
+    w[0] = num_tokens, w[1] = n, w[2] = k;
+    return static_cast<size_t>(3000 + num_tokens * n);
+}
+size_t dsa_moe_experts_workspace_size(int64_t num_tokens, int top_k, int num_local_experts, int hidden, int inter,
+    int weight_format)
+{
+    int64_t* w = launches().wsMoe;
+    w[0] = num_tokens, w[1] = top_k, w[2] = num_local_experts, w[3] = hidden, w[4] = inter, w[5] = weight_format;
+    return static_cast<size_t>(4000 + num_tokens * top_k);
+}
 size_t dsa_topk_translate_workspace_size(int64_t rows, int64_t max_len, int k)
 {
     launches().wsRows = rows, launches().wsMaxLen = max_len, launches().wsK = k;

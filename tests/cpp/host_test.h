@@ -182,6 +182,10 @@ struct LaunchLog
     DsaIndexerLogitsParams logits{};
     DsaTopkTranslateParams topk{};
     DsaSparseMlaParams sparse{};
+    DsaFp8BlockLinearParams linear{};
+    DsaMoeExpertsParams moe{};
+    int64_t wsLinear[3] = {};   // dsa_fp8_block_linear_workspace_size(T, N, K)
+    int64_t wsMoe[6] = {};      // dsa_moe_experts_workspace_size(T, top_k, E, D, I, format)
     int64_t wsRows = 0, wsMaxLen = 0, wsK = 0;
     int64_t wsTokens = 0, wsHeads = 0, wsTopk = 0, wsFormat = -1; // dsa_sparse_mla_workspace_size
 };
