@@ -51,6 +51,21 @@ constexpr float kAmaxFloor = 1e-4f;
 __device__ __forceinline__ float bf16_bits_to_float(uint16_t b) { return __uint_as_float(static_cast<uint32_t>(b) << 16); }
 __device__ __forceinline__ uint16_t float_to_bf16_bits(float f) { return __bfloat16_as_ushort(__float2bfloat16_rn(f)); }
 
+// Four consecutive bf16 values from p, of which `valid` exist (the rest read as 0); vec: p is
+// 8-byte aligned (one 8-byte load when all four exist).
+__device__ __forceinline__ void load_bf16x4(const uint16_t* p, int valid, bool vec, float (&v)[4]) {
+  if (vec && valid >= 4) {
+    const uint2 u = *reinterpret_cast<const uint2*>(p);
+    v[0] = __uint_as_float(u.x << 16);
+    v[1] = __uint_as_float(u.x & 0xFFFF0000u);
+    v[2] = __uint_as_float(u.y << 16);
+    v[3] = __uint_as_float(u.y & 0xFFFF0000u);
+  } else {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) v[e] = e < valid ? bf16_bits_to_float(p[e]) : 0.f;
+  }
+}
+
 // s = max(amax, 1e-4) / 448, rounded up to a power of two for ue8m0 (adding the mantissa mask
 // carries into the exponent unless the mantissa is already zero: a positive normal becomes
 // 2^ceil(log2 s); s >= 2.2e-7 is always normal).

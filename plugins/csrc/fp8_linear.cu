@@ -18,19 +18,15 @@ namespace dsa_fp8 {
 // ---------------------------------------------------------------- kernels
 __global__ void __launch_bounds__(256) act_quant_kernel(const uint16_t* __restrict__ x, int64_t x_stride,
                                                          int64_t num_tokens, int k, int nkb, uint8_t* __restrict__ q,
-                                                         float* __restrict__ scale, int pow2) {
+                                                         float* __restrict__ scale, int pow2, int vec) {
   const int64_t gw = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
   const int lane = threadIdx.x & 31;
   if (gw >= num_tokens * nkb) return;  // warp-uniform
   const int64_t t = gw / nkb;
   const int kb = static_cast<int>(gw % nkb);
-  const uint16_t* row = x + t * x_stride;
+  const int k0 = kb * kBlock + 4 * lane;
   float v[4];
-#pragma unroll
-  for (int e = 0; e < 4; ++e) {
-    const int kk = kb * kBlock + 4 * lane + e;
-    v[e] = kk < k ? bf16_bits_to_float(row[kk]) : 0.f;
-  }
+  load_bf16x4(x + t * x_stride + k0, k - k0, vec != 0, v);
   quant_group_store(v, pow2 != 0, q + t * nkb * kBlock + kb * kBlock, scale + t * nkb + kb, lane);
 }
 
@@ -158,7 +154,8 @@ extern "C" int dsa_launch_fp8_block_linear(const DsaFp8BlockLinearParams* p, cud
 
   const int64_t warps = p->num_tokens * plan.nkb;
   act_quant_kernel<<<static_cast<unsigned>(dsa_ceil_div(warps * 32, 256)), 256, 0, stream>>>(
-      static_cast<const uint16_t*>(p->x), p->x_stride, p->num_tokens, p->k, plan.nkb, q, sx, p->pow2_act_scales);
+      static_cast<const uint16_t*>(p->x), p->x_stride, p->num_tokens, p->k, plan.nkb, q, sx, p->pow2_act_scales,
+      (reinterpret_cast<uintptr_t>(p->x) & 7) == 0 && p->x_stride % 4 == 0);
   DSA_CUDA_CHECK_LAUNCH();
 
   GemmArgs g{};

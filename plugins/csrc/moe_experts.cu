@@ -111,18 +111,15 @@ __global__ void __launch_bounds__(kPrepThreads) moe_prep_kernel(const int32_t* _
 // ---------------------------------------------------------------- 2. act_quant of x (contiguous rows)
 __global__ void __launch_bounds__(256) moe_act_quant_kernel(const uint16_t* __restrict__ x, int64_t num_tokens,
                                                              int d, int nkb, uint8_t* __restrict__ q,
-                                                             float* __restrict__ scale, int pow2) {
+                                                             float* __restrict__ scale, int pow2, int vec) {
   const int64_t gw = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
   const int lane = threadIdx.x & 31;
   if (gw >= num_tokens * nkb) return;
   const int64_t t = gw / nkb;
   const int kb = static_cast<int>(gw % nkb);
+  const int k0 = kb * kBlock + 4 * lane;
   float v[4];
-#pragma unroll
-  for (int e = 0; e < 4; ++e) {
-    const int kk = kb * kBlock + 4 * lane + e;
-    v[e] = kk < d ? bf16_bits_to_float(x[t * d + kk]) : 0.f;
-  }
+  load_bf16x4(x + t * d + k0, d - k0, vec != 0, v);
   quant_group_store(v, pow2 != 0, q + t * nkb * kBlock + kb * kBlock, scale + t * nkb + kb, lane);
 }
 
@@ -165,26 +162,22 @@ __global__ void __launch_bounds__(256) moe_bf16_gemm_kernel(const uint16_t* __re
 __global__ void __launch_bounds__(256) moe_swiglu_kernel(const uint16_t* __restrict__ gu, int64_t num_pos,
                                                           const int32_t* total, int inter, int nkb,
                                                           uint8_t* __restrict__ qh, float* __restrict__ sh,
-                                                          uint16_t* __restrict__ h_bf16, int pow2) {
+                                                          uint16_t* __restrict__ h_bf16, int pow2, int vec) {
   const int64_t gw = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
   const int lane = threadIdx.x & 31;
   if (gw >= num_pos * nkb) return;
   const int64_t q = gw / nkb;
   const int kb = static_cast<int>(gw % nkb);
   if (q >= *total) return;
-  const uint16_t* gate = gu + q * 2 * inter;
-  float v[4];
+  const int i0 = kb * kBlock + 4 * lane;
+  float g4[4], u4[4], v[4];
+  load_bf16x4(gu + q * 2 * inter + i0, inter - i0, vec != 0, g4);
+  load_bf16x4(gu + q * 2 * inter + inter + i0, inter - i0, vec != 0, u4);
 #pragma unroll
   for (int e = 0; e < 4; ++e) {
-    const int i = kb * kBlock + 4 * lane + e;
-    float hv = 0.f;
-    if (i < inter) {
-      const float gf = bf16_bits_to_float(gate[i]), uf = bf16_bits_to_float(gate[inter + i]);
-      const float silu = __fdiv_rn(gf, __fadd_rn(1.f, expf(-gf)));
-      hv = bf16_bits_to_float(float_to_bf16_bits(__fmul_rn(silu, uf)));
-      if (h_bf16) h_bf16[q * inter + i] = float_to_bf16_bits(hv);
-    }
-    v[e] = hv;
+    const float silu = __fdiv_rn(g4[e], __fadd_rn(1.f, expf(-g4[e])));
+    v[e] = i0 + e < inter ? bf16_bits_to_float(float_to_bf16_bits(__fmul_rn(silu, u4[e]))) : 0.f;
+    if (h_bf16 && i0 + e < inter) h_bf16[q * inter + i0 + e] = float_to_bf16_bits(v[e]);
   }
   if (!h_bf16) quant_group_store(v, pow2 != 0, qh + q * nkb * kBlock + kb * kBlock, sh + q * nkb + kb, lane);
 }
@@ -192,7 +185,7 @@ __global__ void __launch_bounds__(256) moe_swiglu_kernel(const uint16_t* __restr
 // ---------------------------------------------------------------- 6. combine
 __global__ void __launch_bounds__(256) moe_combine_kernel(const uint16_t* __restrict__ y, const int32_t* pair_pos,
                                                            const float* __restrict__ topk_weights, int top_k, int d,
-                                                           float* __restrict__ out) {
+                                                           float* __restrict__ out, int vec) {
   __shared__ int32_t pos[kMaxTopK];
   __shared__ float wt[kMaxTopK];
   const int64_t t = blockIdx.x;
@@ -201,9 +194,29 @@ __global__ void __launch_bounds__(256) moe_combine_kernel(const uint16_t* __rest
     wt[threadIdx.x] = topk_weights[t * top_k + threadIdx.x];
   }
   __syncthreads();
+  // product rounded, then added: the reference's y += out * w (no FMA contraction)
+  if (vec) {  // 8 columns per thread: one 16-byte load per pair, two 16-byte stores
+    for (int c = 8 * threadIdx.x; c < d; c += 8 * blockDim.x) {
+      float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+      for (int j = 0; j < top_k; ++j) {
+        if (pos[j] < 0) continue;
+        const uint4 u = *reinterpret_cast<const uint4*>(y + static_cast<int64_t>(pos[j]) * d + c);
+        const uint32_t w4[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          acc[2 * e] = __fadd_rn(acc[2 * e], __fmul_rn(wt[j], __uint_as_float(w4[e] << 16)));
+          acc[2 * e + 1] = __fadd_rn(acc[2 * e + 1], __fmul_rn(wt[j], __uint_as_float(w4[e] & 0xFFFF0000u)));
+        }
+      }
+      float4* o = reinterpret_cast<float4*>(out + t * d + c);
+      o[0] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+      o[1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
+    }
+    return;
+  }
   for (int c = threadIdx.x; c < d; c += blockDim.x) {
     float acc = 0.f;
-    for (int j = 0; j < top_k; ++j)  // product rounded, then added: the reference's y += out * w
+    for (int j = 0; j < top_k; ++j)
       if (pos[j] >= 0) acc = __fadd_rn(acc, __fmul_rn(wt[j], bf16_bits_to_float(y[static_cast<int64_t>(pos[j]) * d + c])));
     out[t * d + c] = acc;
   }
@@ -365,7 +378,7 @@ extern "C" int dsa_launch_moe_experts(const DsaMoeExpertsParams* p, cudaStream_t
     // 2. x -> e4m3
     moe_act_quant_kernel<<<static_cast<unsigned>(dsa_ceil_div(p->num_tokens * plan.nkb_d * 32, 256)), 256, 0,
                            stream>>>(static_cast<const uint16_t*>(p->x), p->num_tokens, D, plan.nkb_d, qx, sx,
-                                     p->pow2_act_scales);
+                                     p->pow2_act_scales, (reinterpret_cast<uintptr_t>(p->x) & 7) == 0);
     DSA_CUDA_CHECK_LAUNCH();
     // 3. gate | up
     GemmArgs g{};
@@ -390,7 +403,7 @@ extern "C" int dsa_launch_moe_experts(const DsaMoeExpertsParams* p, cudaStream_t
     if ((st = launch_grouped_bn(plan.bn, g, plan.max_tiles, stream)) != DSA_OK) return st;
     // 4. h = e4m3(bf16(silu(gate) * up))
     moe_swiglu_kernel<<<swiglu_blocks, 256, 0, stream>>>(gu, pairs, total, I, plan.nkb_i, qh, sh, nullptr,
-                                                         p->pow2_act_scales);
+                                                         p->pow2_act_scales, 1);  // I % 16 == 0
     DSA_CUDA_CHECK_LAUNCH();
     // 5. down
     g.w = static_cast<const uint8_t*>(p->w2);
@@ -416,7 +429,8 @@ extern "C" int dsa_launch_moe_experts(const DsaMoeExpertsParams* p, cudaStream_t
                            stream>>>(static_cast<const uint16_t*>(p->x), D, sorted_token,
                                      static_cast<const uint16_t*>(p->w13), sorted_expert, total, 2 * I, D, gu, 2 * I);
     DSA_CUDA_CHECK_LAUNCH();
-    moe_swiglu_kernel<<<swiglu_blocks, 256, 0, stream>>>(gu, pairs, total, I, plan.nkb_i, nullptr, nullptr, h, 0);
+    moe_swiglu_kernel<<<swiglu_blocks, 256, 0, stream>>>(gu, pairs, total, I, plan.nkb_i, nullptr, nullptr, h, 0,
+                                                         I % 4 == 0);
     DSA_CUDA_CHECK_LAUNCH();
     moe_bf16_gemm_kernel<<<dim3(static_cast<unsigned>(pairs), static_cast<unsigned>(dsa_ceil_div(D, 8))), 256, 0,
                            stream>>>(h, I, nullptr, static_cast<const uint16_t*>(p->w2), sorted_expert, total, D, I, y,
@@ -425,7 +439,8 @@ extern "C" int dsa_launch_moe_experts(const DsaMoeExpertsParams* p, cudaStream_t
   }
   // 6. combine
   moe_combine_kernel<<<static_cast<unsigned>(p->num_tokens), 256, 0, stream>>>(y, pair_pos, p->topk_weights, p->top_k,
-                                                                              D, p->out);
+                                                                              D, p->out,
+      D % 8 == 0 && (reinterpret_cast<uintptr_t>(p->out) & 15) == 0);
   DSA_CUDA_CHECK_LAUNCH();
   return DSA_OK;
 }
