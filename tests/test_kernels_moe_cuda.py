@@ -4,7 +4,7 @@ emulation written here (independent of production code). Runs on the H200; skips
 
 Numerics, two tiers (STYLE.md):
 * tight: the emulation quantises the activations exactly as the official act_quant does (same
-  fp32 ops: amax, max(amax, 1e-4) / 448, ue8m0 rounding, x / s, e4m3), so both sides multiply the
+  fp32 ops: amax, max(amax, 1e-4) * fp32(1/448), ue8m0 rounding, x / s, e4m3), so both sides multiply the
   same e4m3 values; the emulation then sums the dequantised products in fp64. What remains is the
   kernel's accumulation (the fp8 tensor cores keep ~14 mantissa bits inside a 128-wide K block,
   then fp32) and the bf16 rounding of the output. Per element:
@@ -38,6 +38,7 @@ pytestmark = [
 DEV = "cuda"
 BLOCK = 128
 E4M3_MAX = 448.0
+E4M3_MAX_INV = torch.tensor(1.0 / E4M3_MAX, dtype=torch.float32).item()
 AMAX_FLOOR = 1e-4
 FP8_BLOCK, MOE_BF16 = 0, 1
 ERR_INVALID_ARG, ERR_UNSUPPORTED = -1, -2
@@ -166,7 +167,7 @@ def act_quant_emul(x: torch.Tensor, pow2: bool) -> tuple[torch.Tensor, torch.Ten
     xp = torch.zeros(t, nkb * BLOCK, device=x.device, dtype=torch.float32)
     xp[:, :k] = x.float()
     g = xp.view(t, nkb, BLOCK)
-    s = g.abs().amax(-1).clamp(min=AMAX_FLOOR) / E4M3_MAX
+    s = g.abs().amax(-1).clamp(min=AMAX_FLOOR) * E4M3_MAX_INV  # the official fp32 reciprocal multiply
     if pow2:  # 2^ceil(log2 s) on the bits: add the mantissa mask, drop the mantissa
         bits = s.view(torch.int32).to(torch.int64)
         s = ((bits + 0x7FFFFF) & 0xFF800000).to(torch.int32).view(torch.float32)
@@ -261,6 +262,30 @@ def test_linear_tiles(lib, t, nk):
 ])
 def test_linear_shapes(lib, pow2, t, n, k, x_pad, out_pad):
     linear_case(lib, t, n, k, pow2, seed=n + k + t, x_pad=x_pad, out_pad=out_pad)
+
+
+@pytest.mark.parametrize("t", [1, 9, 70, 300])
+def test_linear_permutation_weight(lib, t):
+    """W = a permutation matrix, unit scales, ue8m0 activations: out[t, n] = dequant(x)[t, perm[n]]
+    exactly (an e4m3 value times a power of two is a bf16), so act_quant and the GEMM's operand
+    layout (swizzle, fragment order, epilogue transpose) are checked bit for bit; a layout bug
+    shows up as the wrong source column, which the message names."""
+    n = k = 384
+    g = gen(40 + t)
+    x = torch.randn(t, k, generator=g, device=DEV).to(torch.bfloat16)
+    perm = torch.randperm(k, generator=g, device=DEV)
+    w8 = torch.zeros(n, k, device=DEV, dtype=torch.float32)
+    w8[torch.arange(n, device=DEV), perm] = 1.0
+    w8 = w8.to(torch.float8_e4m3fn)
+    ws = torch.ones(n // BLOCK, k // BLOCK, device=DEV)
+    got = run_linear(lib, x, w8, ws, True).double()
+    want = act_quant_emul(x, True)[0][:, perm]
+    bad = (got != want).nonzero()
+    if bad.numel():
+        r, c = (int(v) for v in bad[0])
+        src = (act_quant_emul(x, True)[0][r] == got[r, c]).nonzero().flatten()[:4].tolist()
+        raise AssertionError(f"T={t}: {bad.shape[0]} outputs differ; first [{r}, {c}]: got {got[r, c].item()} want "
+                             f"{want[r, c].item()} (column perm[{c}]={int(perm[c])}; got matches columns {src})")
 
 
 @pytest.mark.parametrize("t,n,k", [(1, 1536, 7168), (200, 576, 1024), (4096, 384, 256)])

@@ -45,6 +45,7 @@ constexpr int kBlock = DSA_FP8_BLOCK;  // 128: K block and weight-scale block
 constexpr int kTileM = 128;            // weight rows per CTA
 constexpr int kThreads = 256;          // two warpgroups
 constexpr float kE4m3Max = 448.f;
+constexpr float kE4m3MaxInv = 1.f / 448.f;  // the official act_quant multiplies by the fp32 reciprocal
 constexpr float kAmaxFloor = 1e-4f;
 
 // ---------------------------------------------------------------- activation quantisation
@@ -66,11 +67,12 @@ __device__ __forceinline__ void load_bf16x4(const uint16_t* p, int valid, bool v
   }
 }
 
-// s = max(amax, 1e-4) / 448, rounded up to a power of two for ue8m0 (adding the mantissa mask
+// s = max(amax, 1e-4) * fp32(1/448) (not amax / 448: the two differ in the last bit, and x / s
+// often lands on an e4m3 tie), rounded up to a power of two for ue8m0 (adding the mantissa mask
 // carries into the exponent unless the mantissa is already zero: a positive normal becomes
 // 2^ceil(log2 s); s >= 2.2e-7 is always normal).
 __device__ __forceinline__ float act_scale(float amax, bool pow2) {
-  float s = __fdiv_rn(fmaxf(amax, kAmaxFloor), kE4m3Max);
+  float s = __fmul_rn(fmaxf(amax, kAmaxFloor), kE4m3MaxInv);
   if (pow2) s = __uint_as_float((__float_as_uint(s) + 0x7FFFFFu) & 0xFF800000u);
   return s;
 }

@@ -11,8 +11,8 @@
 //      sum_e ceil(P_e / BN) <= ceil(P / BN) + E_local tiles; CTAs past the real count exit.
 //   4. swiglu_quant: h = bf16(silu(gate) * up) in fp32, act_quant per 128 columns -> e4m3 + scales.
 //   5. grouped GEMM 2 (down) -> y bf16 [P, D].
-//   6. combine: out[t] = sum_j w[t, j] * y[pos(t, j)] in fp32, j ascending (deterministic, no
-//      atomics); tokens without a local pair get 0.
+//   6. combine: out[t] = sum_j w[t, j] * y[pos(t, j)] in fp32, in ascending expert order (the
+//      reference's; deterministic, no atomics); tokens without a local pair get 0.
 // bf16 weights (the exact-comparison mode) take steps 1, 3', 4 (bf16 h), 5', 6 with 3'/5' a plain
 // CUDA-core warp-per-output GEMM: correct, not fast.
 #include <algorithm>
@@ -188,18 +188,38 @@ __global__ void __launch_bounds__(256) moe_combine_kernel(const uint16_t* __rest
                                                            float* __restrict__ out, int vec) {
   __shared__ int32_t pos[kMaxTopK];
   __shared__ float wt[kMaxTopK];
+  __shared__ int num_local;
   const int64_t t = blockIdx.x;
   if (threadIdx.x < top_k) {
     pos[threadIdx.x] = pair_pos[t * top_k + threadIdx.x];
     wt[threadIdx.x] = topk_weights[t * top_k + threadIdx.x];
   }
   __syncthreads();
+  // The token's local pairs by ascending position = ascending expert, then pair order (the
+  // sorted list is stable): the reference's summation order. Insertion sort of <= 32 entries.
+  if (threadIdx.x == 0) {
+    int n = 0;
+    for (int j = 0; j < top_k; ++j) {
+      if (pos[j] < 0) continue;
+      const int pj = pos[j];
+      const float wj = wt[j];
+      int i = n++;
+      for (; i > 0 && pos[i - 1] > pj; --i) {
+        pos[i] = pos[i - 1];
+        wt[i] = wt[i - 1];
+      }
+      pos[i] = pj;
+      wt[i] = wj;
+    }
+    num_local = n;
+  }
+  __syncthreads();
+  const int n_local = num_local;
   // product rounded, then added: the reference's y += out * w (no FMA contraction)
   if (vec) {  // 8 columns per thread: one 16-byte load per pair, two 16-byte stores
     for (int c = 8 * threadIdx.x; c < d; c += 8 * blockDim.x) {
       float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-      for (int j = 0; j < top_k; ++j) {
-        if (pos[j] < 0) continue;
+      for (int j = 0; j < n_local; ++j) {
         const uint4 u = *reinterpret_cast<const uint4*>(y + static_cast<int64_t>(pos[j]) * d + c);
         const uint32_t w4[4] = {u.x, u.y, u.z, u.w};
 #pragma unroll
@@ -216,8 +236,8 @@ __global__ void __launch_bounds__(256) moe_combine_kernel(const uint16_t* __rest
   }
   for (int c = threadIdx.x; c < d; c += blockDim.x) {
     float acc = 0.f;
-    for (int j = 0; j < top_k; ++j)
-      if (pos[j] >= 0) acc = __fadd_rn(acc, __fmul_rn(wt[j], bf16_bits_to_float(y[static_cast<int64_t>(pos[j]) * d + c])));
+    for (int j = 0; j < n_local; ++j)
+      acc = __fadd_rn(acc, __fmul_rn(wt[j], bf16_bits_to_float(y[static_cast<int64_t>(pos[j]) * d + c])));
     out[t * d + c] = acc;
   }
 }
