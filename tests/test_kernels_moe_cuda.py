@@ -481,6 +481,6 @@ def test_torch_op_linear_matches_launcher(lib, torch_ops):
 
 def test_torch_op_moe_matches_launcher(lib, torch_ops):
     m = make_moe(22, 40, 4, 32, 8, 8, 256, 128, pow2=False)
-    got = torch_ops.moe_experts(m.x, m.ids.long(), m.weights, m.w13, m.s13, m.w2, m.s2, m.num_experts, m.offset, False)
+    got = torch_ops.moe_experts(m.x, m.ids, m.weights, m.w13, m.s13, m.w2, m.s2, m.num_experts, m.offset, False)
     want = run_moe(lib, m)
     assert got.dtype == torch.float32 and torch.equal(got, want)

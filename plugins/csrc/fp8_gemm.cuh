@@ -49,7 +49,9 @@ constexpr float kE4m3MaxInv = 1.f / 448.f;  // the official act_quant multiplies
 constexpr float kAmaxFloor = 1e-4f;
 
 // ---------------------------------------------------------------- activation quantisation
-__device__ __forceinline__ float bf16_bits_to_float(uint16_t b) { return __uint_as_float(static_cast<uint32_t>(b) << 16); }
+__device__ __forceinline__ float bf16_bits_to_float(uint16_t b) {
+  return __uint_as_float(static_cast<uint32_t>(b) << 16);
+}
 __device__ __forceinline__ uint16_t float_to_bf16_bits(float f) { return __bfloat16_as_ushort(__float2bfloat16_rn(f)); }
 
 // Four consecutive bf16 values from p, of which `valid` exist (the rest read as 0); vec: p is

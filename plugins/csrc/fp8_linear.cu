@@ -48,8 +48,8 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm<BN>) linear_kernel(const 
   const int64_t row_begin = (in_group / gsize) * BN;
   const int split = blockIdx.y;
   const int kb_begin = split * g.kb_per_split, kb_end = min(g.nkb, kb_begin + g.kb_per_split);
-  gemm_tile<BN, kF32Out>(g, smem, 0, m_tile, row_begin, (g.rows < row_begin + BN ? g.rows : row_begin + BN), kb_begin, kb_end,
-                         split);
+  const int64_t row_end = g.rows < row_begin + BN ? g.rows : row_begin + BN;
+  gemm_tile<BN, kF32Out>(g, smem, 0, m_tile, row_begin, row_end, kb_begin, kb_end, split);
 }
 
 __global__ void __launch_bounds__(256) splitk_reduce_kernel(const float* __restrict__ part, int splits,

@@ -443,8 +443,8 @@ extern "C" int dsa_launch_moe_experts(const DsaMoeExpertsParams* p, cudaStream_t
     if ((st = launch_grouped_bn(plan.bn, g, plan.max_tiles, stream)) != DSA_OK) return st;
   } else {
     uint16_t* h = reinterpret_cast<uint16_t*>(at(plan.off_qh));
-    DSA_CHECK_SUPPORTED(dsa_ceil_div(std::max(2 * I, D), 8) <= 65535, "moe_experts: bf16 path: 2*inter=%d / hidden=%d too large",
-                        2 * I, D);
+    DSA_CHECK_SUPPORTED(dsa_ceil_div(std::max(2 * I, D), 8) <= 65535,
+                        "moe_experts: bf16 path: 2*inter=%d / hidden=%d too large (<= 524280)", 2 * I, D);
     moe_bf16_gemm_kernel<<<dim3(static_cast<unsigned>(pairs), static_cast<unsigned>(dsa_ceil_div(2 * I, 8))), 256, 0,
                            stream>>>(static_cast<const uint16_t*>(p->x), D, sorted_token,
                                      static_cast<const uint16_t*>(p->w13), sorted_expert, total, 2 * I, D, gu, 2 * I);
