@@ -4,10 +4,13 @@
 // no allocation and no host synchronisation in a launcher (CUDA-graph safe).
 //
 // Activation quantisation (act_quant): per token, groups of 128 consecutive K elements (the last
-// group may be partial); s = max(amax, 1e-4) / 448, rounded up to a power of two when
+// group may be partial); s = max(amax, 1e-4) * fp32(1/448) (the official kernel's reciprocal
+// multiply, which can differ from amax / 448 in the last bit), rounded up to a power of two when
 // pow2_act_scales (the checkpoint's scale_fmt is ue8m0); q = e4m3(x / s).
 // Weights: e4m3 [N, K] with weight_scale [ceil(N/128), ceil(K/128)] fp32 (dequantisation
-// multipliers, the checkpoint's weight_scale_inv); edge blocks may be partial.
+// multipliers, the checkpoint's weight_scale_inv); edge blocks may be partial. The CUDA kernels
+// copy weight rows in 16-byte chunks: e4m3 weights need K % 16 == 0 (DSA_ERR_UNSUPPORTED
+// otherwise; every V3.2 / GLM-5 K is a multiple of 128) and 16-byte aligned weight pointers.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -45,9 +48,14 @@ int dsa_launch_fp8_block_linear(const DsaFp8BlockLinearParams* p, cudaStream_t s
 // in fp32; gate_e / up_e / down_e are fp8 block linears (act_quant of x_t first) or, for
 // weight_format DSA_MOE_BF16, bf16 linears with fp32 accumulation (no activation quantisation).
 // silu(gate) * up is computed in fp32 from the bf16-rounded linear outputs (as the reference's
-// bf16 linears return). Pairs whose expert lives on another rank add nothing, so expert-parallel
-// ranks sum their partial outputs. Ids outside [0, num_experts) are invalid input: the torch op
-// and the TensorRT plugin validate on the host where they can; the kernel skips such pairs.
+// bf16 linears return) and cast to bf16 before the down linear (spec/MODEL.md §5: "SiLU·up is
+// computed in fp32 and cast to bf16 before W_down"); down_e returns bf16, and the combine adds
+// fp32(w * y) to a zero fp32 row in ascending local-expert order, pair order within an expert
+// (the reference's per-expert index_add order; no atomics: deterministic). Pairs whose expert
+// lives on another rank add nothing, so expert-parallel ranks sum their partial outputs. Ids
+// outside [0, num_experts) are invalid input: the torch op and the TensorRT plugin validate on
+// the host where they can; the kernel skips such pairs. fp8 weights need hidden % 16 == 0 and
+// inter % 16 == 0; top_k <= 32, num_local_experts <= 1024, num_tokens * top_k < 2^31.
 typedef enum {
   DSA_MOE_FP8_BLOCK = 0,
   DSA_MOE_BF16 = 1,

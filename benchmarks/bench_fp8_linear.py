@@ -1,0 +1,195 @@
+"""Benchmark: the fp8 block-scaled linear (plugins/csrc/fp8_linear.cu: act_quant + the swap-AB
+QGMMA GEMM, + the split-K reduce at small T) on DeepSeek-V3.2's shapes, beside torch's bf16
+matmul and torch._scaled_mm with DeepSeek block scaling (cuBLASLt; 1x128 activations, 128x128
+weights) on the same inputs in the same run.
+
+Method (as the other benchmarks, timing.py): random inputs; before every timed call an L2 flush
+(bitwise_not_ over 256 MB); each call captured once in a CUDA graph; median of --iters replays;
+"µs" is the profiler's kernel span of one replay (our row: act_quant, GEMM and reduce together;
+the _scaled_mm anchor is timed on pre-quantised inputs, so it gets the activation quantisation
+for free).
+
+Counting: FLOPs = 2*T*N*K; bytes = N*K (e4m3 weight) + 4*ceil(N/128)*ceil(K/128) (its scales)
++ 2*T*K (bf16 x) + 2*T*N (bf16 out). Ceilings of the H200: fp8 dense 1377 TFLOP/s (measured
+on this kind), HBM 4.2 TB/s (the issue's weight-read floor). "% roof" = max(FLOPs / 1377 TF,
+bytes / 4.2 TB/s) / time.
+
+Usage: python benchmarks/bench_fp8_linear.py [--quick] [--iters 20] [--md out.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+from ctypes import POINTER, c_int, c_int64, c_size_t, c_void_p
+from pathlib import Path
+
+import torch
+
+from timing import time_both_us
+
+FP8_TFLOPS = 1377.0
+HBM_TBPS = 4.2
+BLOCK = 128
+ROOT = Path(__file__).resolve().parents[1]
+
+SHAPES = [  # (name, N, K)
+    ("q_a", 1536, 7168),
+    ("q_b", 24576, 1536),
+    ("kv_a", 576, 7168),
+    ("kv_b", 32768, 512),
+    ("o_proj", 7168, 16384),
+    ("indexer wq_b", 8192, 1536),
+    ("dense gate+up", 36864, 7168),
+    ("dense down", 7168, 18432),
+]
+TOKENS = [1, 16, 64, 128, 512, 2048, 8192]
+QUICK_TOKENS = [1, 64, 4096]
+
+
+# ---------------------------------------------------------------- the C API (dsa_moe_kernels.h)
+class LinearParams(ctypes.Structure):
+    _fields_ = [
+        ("x", c_void_p), ("weight", c_void_p), ("weight_scale", c_void_p), ("out", c_void_p),
+        ("num_tokens", c_int64), ("n", c_int), ("k", c_int), ("x_stride", c_int64), ("out_stride", c_int64),
+        ("pow2_act_scales", c_int), ("workspace", c_void_p),
+    ]
+
+
+class MoeParams(ctypes.Structure):
+    _fields_ = [
+        ("x", c_void_p), ("topk_ids", c_void_p), ("topk_weights", c_void_p), ("w13", c_void_p),
+        ("w13_scale", c_void_p), ("w2", c_void_p), ("w2_scale", c_void_p), ("out", c_void_p),
+        ("num_tokens", c_int64), ("top_k", c_int), ("num_experts", c_int), ("num_local_experts", c_int),
+        ("expert_offset", c_int), ("hidden", c_int), ("inter", c_int), ("weight_format", c_int),
+        ("pow2_act_scales", c_int), ("workspace", c_void_p),
+    ]
+
+
+def load_library() -> ctypes.CDLL:
+    path = Path(os.environ.get("DSA_KERNEL_LIB", ROOT / "build" / "libdsa_kernels.so"))
+    if not path.exists():
+        raise SystemExit(f"{path} missing: build the kernel library first (make kernels)")
+    d = ctypes.CDLL(str(path))
+    d.dsa_last_error_message.restype = ctypes.c_char_p
+    d.dsa_fp8_block_linear_workspace_size.restype = c_size_t
+    d.dsa_fp8_block_linear_workspace_size.argtypes = [c_int64, c_int, c_int]
+    d.dsa_launch_fp8_block_linear.argtypes = [POINTER(LinearParams), c_void_p]
+    d.dsa_moe_experts_workspace_size.restype = c_size_t
+    d.dsa_moe_experts_workspace_size.argtypes = [c_int64, c_int, c_int, c_int, c_int, c_int]
+    d.dsa_launch_moe_experts.argtypes = [POINTER(MoeParams), c_void_p]
+    return d
+
+
+def launch_checked(fn, params, dll, op: str) -> None:
+    status = fn(ctypes.byref(params), ctypes.c_void_p(torch.cuda.current_stream().cuda_stream))
+    if status != 0:
+        raise RuntimeError(f"{op}: status {status}: {dll.dsa_last_error_message().decode()}")
+
+
+def random_e4m3(shape, g: torch.Generator) -> torch.Tensor:
+    """Random finite e4m3 bytes with |v| < 2 (the exponent's top bit and NaN patterns cleared)."""
+    return (torch.randint(0, 256, shape, generator=g, device="cuda", dtype=torch.uint8) & 0xB7).view(
+        torch.float8_e4m3fn)
+
+
+# ---------------------------------------------------------------- counting
+def count_flops_and_bytes(t: int, n: int, k: int) -> tuple[float, float]:
+    flops = 2.0 * t * n * k
+    nbytes = n * k + 4.0 * -(-n // BLOCK) * -(-k // BLOCK) + 2.0 * t * k + 2.0 * t * n
+    return flops, nbytes
+
+
+# ---------------------------------------------------------------- the cases
+class Linear:
+    """One preallocated dsa_launch_fp8_block_linear call (ue8m0 activation scales, as V3.2)."""
+
+    def __init__(self, dll, x, w8, ws):
+        t, k = x.shape
+        n = w8.shape[0]
+        self.out = torch.empty(t, n, device="cuda", dtype=torch.bfloat16)
+        self.work = torch.empty(max(dll.dsa_fp8_block_linear_workspace_size(t, n, k), 16), device="cuda",
+                                dtype=torch.uint8)
+        self.keep = (x, w8, ws)
+        self.p = LinearParams(x.data_ptr(), w8.data_ptr(), ws.data_ptr(), self.out.data_ptr(), t, n, k, k, n, 1,
+                              self.work.data_ptr())
+        self.dll = dll
+
+    def __call__(self):
+        launch_checked(self.dll.dsa_launch_fp8_block_linear, self.p, self.dll, "fp8_block_linear")
+
+
+def scaled_mm_fn(x, w8, ws):
+    """torch._scaled_mm blockwise on the same weight; x quantised once outside the timed call.
+    None when this torch / cuBLASLt refuses the layout."""
+    t, k = x.shape
+    kb = -(-k // BLOCK)
+    xp = torch.nn.functional.pad(x.float(), (0, kb * BLOCK - k)).view(t, kb, BLOCK)
+    sx = (xp.abs().amax(-1).clamp(min=1e-4) / 448.0)  # [T, kb]
+    xq = (xp / sx[..., None]).view(t, kb * BLOCK)[:, :k].to(torch.float8_e4m3fn).contiguous()
+    scale_a = sx.t().contiguous().t()  # [T, kb], stride (1, T): the layout cuBLASLt takes
+    errors = []
+    for scale_b in (ws.t(), ws.t().contiguous()):  # [kb, ceil(N/128)]
+        try:
+            fn = lambda sb=scale_b: torch._scaled_mm(xq, w8.t(), scale_a, sb, out_dtype=torch.bfloat16)
+            fn()
+            torch.cuda.synchronize()
+            return fn, None
+        except (RuntimeError, TypeError) as e:
+            errors.append(str(e).splitlines()[0][:80])
+    return None, "; ".join(errors)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--quick", action="store_true", help=f"T in {QUICK_TOKENS} only")
+    ap.add_argument("--md", type=str, default=None)
+    args = ap.parse_args()
+    dll = load_library()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    flush_buf = torch.empty(64 << 20, dtype=torch.int32, device="cuda")
+    header = ("| shape (N x K) | T | µs | TFLOP/s | TB/s | % of roofline | bf16 matmul µs | _scaled_mm µs | "
+              "vs _scaled_mm |")
+    rows = [header, "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    print(header, flush=True)
+    for name, n, k in SHAPES:
+        w8 = random_e4m3((n, k), g)
+        ws = (torch.rand(-(-n // BLOCK), -(-k // BLOCK), generator=g, device="cuda") * 1e-2 + 1e-3).contiguous()
+        wb = w8.to(torch.bfloat16)
+        for t in (QUICK_TOKENS if args.quick else TOKENS):
+            label = f"{name} {n}x{k}"
+            try:
+                x = torch.randn(t, k, generator=g, device="cuda").to(torch.bfloat16)
+                flops, nbytes = count_flops_and_bytes(t, n, k)
+                ev, us = time_both_us(Linear(dll, x, w8, ws), flush_buf, args.iters)
+                us = us if us is not None else ev
+                roof = max(flops / (FP8_TFLOPS * 1e12), nbytes / (HBM_TBPS * 1e12)) * 1e6
+                ob = torch.empty(t, n, device="cuda", dtype=torch.bfloat16)
+                bev, bus = time_both_us(lambda: torch.matmul(x, wb.t(), out=ob), flush_buf, args.iters)
+                bus = bus if bus is not None else bev
+                fn, why = scaled_mm_fn(x, w8, ws)
+                if fn is None:
+                    smm, ratio = f"UNSUPPORTED ({why})", "—"
+                else:
+                    sev, sus = time_both_us(fn, flush_buf, args.iters)
+                    sus = sus if sus is not None else sev
+                    smm, ratio = f"{sus:.1f}", f"{sus / us:.2f}x"
+                row = (f"| {label} | {t} | {us:.1f} | {flops / us / 1e6:.1f} | {nbytes / us / 1e6:.2f} | "
+                       f"{100 * roof / us:.1f} | {bus:.1f} | {smm} | {ratio} |")
+            except torch.OutOfMemoryError:
+                row = f"| {label} | {t} | OOM | | | | | | |"
+            except RuntimeError as e:
+                row = f"| {label} | {t} | UNSUPPORTED ({str(e)[:100]}) | | | | | | |"
+            torch.cuda.empty_cache()
+            rows.append(row)
+            print(row, flush=True)
+        del w8, ws, wb
+    if args.md:
+        with open(args.md, "w") as f:
+            f.write("\n".join(rows) + "\n")
+
+
+if __name__ == "__main__":
+    main()

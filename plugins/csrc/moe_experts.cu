@@ -1,0 +1,466 @@
+// DSA-TRT kernels: DsaMoeExperts (dsa_moe_kernels.h), the routed experts of one rank on the pairs
+// (token t, slot j) whose expert is local. Every size is static (bounded by P = T * top_k pairs);
+// what depends on the routing lives in the workspace, so nothing syncs with the host and the
+// launch sequence is CUDA-graph safe:
+//   1. moe_prep (one CTA): counts per local expert, exclusive scan, the expert-sorted pair list
+//      (stable: pair order within an expert), pair -> position map, and the tile table of the
+//      grouped GEMMs (tiles of BN positions of one expert; their count is on the device).
+//   2. act_quant of x, once per token (fp8_linear.cu's numerics, here per 128 columns of D).
+//   3. grouped GEMM 1 (fp8_gemm.cuh) over (128 rows of w13_e) x (tiles): x rows gathered through
+//      the sorted pair list -> gate|up bf16 [P, 2I]. Grid: the static bound
+//      sum_e ceil(P_e / BN) <= ceil(P / BN) + E_local tiles; CTAs past the real count exit.
+//   4. swiglu_quant: h = bf16(silu(gate) * up) in fp32, act_quant per 128 columns -> e4m3 + scales.
+//   5. grouped GEMM 2 (down) -> y bf16 [P, D].
+//   6. combine: out[t] = sum_j w[t, j] * y[pos(t, j)] in fp32, in ascending expert order (the
+//      reference's; deterministic, no atomics); tokens without a local pair get 0.
+// bf16 weights (the exact-comparison mode) take steps 1, 3', 4 (bf16 h), 5', 6 with 3'/5' a plain
+// CUDA-core warp-per-output GEMM: correct, not fast.
+#include <algorithm>
+
+#include <cub/block/block_scan.cuh>
+
+#include "fp8_gemm.cuh"
+
+namespace dsa_moe {
+
+using namespace dsa_fp8;
+
+constexpr int kPrepThreads = 1024;
+constexpr int kPrepWarps = kPrepThreads / 32;
+constexpr int kMaxLocalExperts = kPrepThreads;  // one prep thread per local expert
+constexpr int kMaxTopK = 32;
+constexpr int kMinBn = 8;  // the tile table is sized for the smallest token tile
+
+// ---------------------------------------------------------------- 1. routing prep
+// Pass 1: warp w walks pairs [w * per_warp, ...) 32 at a time; lanes with the same local expert
+// find each other (match_any) and their leader adds their count to cnt[w][e]. The scan turns
+// cnt into each (expert, warp)'s first position; pass 2 walks again and places each pair at its
+// position + its rank among the earlier lanes of the same expert.
+__global__ void __launch_bounds__(kPrepThreads) moe_prep_kernel(const int32_t* __restrict__ ids, int num_pairs,
+                                                                int top_k, int num_experts, int num_local,
+                                                                int expert_offset, int bn, int32_t* sorted_token,
+                                                                int32_t* sorted_expert, int32_t* pair_pos,
+                                                                int32_t* expert_offsets, int32_t* num_tiles,
+                                                                int32_t* tile_expert, int32_t* tile_start) {
+  extern __shared__ int32_t cnt[];  // [kPrepWarps][num_local]
+  using Scan = cub::BlockScan<int, kPrepThreads>;
+  __shared__ typename Scan::TempStorage scan_tmp;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  for (int i = tid; i < kPrepWarps * num_local; i += kPrepThreads) cnt[i] = 0;
+  __syncthreads();
+
+  const int per_warp = (num_pairs + kPrepWarps - 1) / kPrepWarps;
+  const int begin = warp * per_warp, end = min(num_pairs, begin + per_warp);
+  auto local_expert = [&](int pidx) {
+    if (pidx >= end) return -1;
+    const int id = ids[pidx], le = id - expert_offset;
+    return (id >= 0 && id < num_experts && le >= 0 && le < num_local) ? le : -1;
+  };
+  for (int base = begin; base < end; base += 32) {
+    const int le = local_expert(base + lane);
+    const unsigned peers = __match_any_sync(0xffffffffu, le);
+    if (le >= 0 && lane == __ffs(peers) - 1) cnt[warp * num_local + le] += __popc(peers);
+  }
+  __syncthreads();
+
+  int tot = 0;
+  if (tid < num_local)
+    for (int w = 0; w < kPrepWarps; ++w) tot += cnt[w * num_local + tid];
+  const int ntile = tid < num_local ? (tot + bn - 1) / bn : 0;
+  int off = 0, total = 0, toff = 0, ttotal = 0;
+  Scan(scan_tmp).ExclusiveSum(tot, off, total);
+  __syncthreads();
+  Scan(scan_tmp).ExclusiveSum(ntile, toff, ttotal);
+  if (tid < num_local) {
+    expert_offsets[tid] = off;
+    int run = off;
+    for (int w = 0; w < kPrepWarps; ++w) {
+      const int c = cnt[w * num_local + tid];
+      cnt[w * num_local + tid] = run;
+      run += c;
+    }
+    for (int j = 0; j < ntile; ++j) {
+      tile_expert[toff + j] = tid;
+      tile_start[toff + j] = off + j * bn;
+    }
+  }
+  if (tid == 0) {
+    expert_offsets[num_local] = total;
+    *num_tiles = ttotal;
+  }
+  __syncthreads();
+
+  const unsigned lanes_below = (1u << lane) - 1u;
+  for (int base = begin; base < end; base += 32) {
+    const int pidx = base + lane, le = local_expert(pidx);
+    const unsigned peers = __match_any_sync(0xffffffffu, le);
+    const int pos = le >= 0 ? cnt[warp * num_local + le] + __popc(peers & lanes_below) : -1;
+    __syncwarp();
+    if (le >= 0 && lane == __ffs(peers) - 1) cnt[warp * num_local + le] += __popc(peers);
+    __syncwarp();
+    if (pidx < end) {
+      pair_pos[pidx] = pos;
+      if (pos >= 0) {
+        sorted_token[pos] = pidx / top_k;
+        sorted_expert[pos] = le;
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------- 2. act_quant of x (contiguous rows)
+__global__ void __launch_bounds__(256) moe_act_quant_kernel(const uint16_t* __restrict__ x, int64_t num_tokens,
+                                                             int d, int nkb, uint8_t* __restrict__ q,
+                                                             float* __restrict__ scale, int pow2, int vec) {
+  const int64_t gw = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+  const int lane = threadIdx.x & 31;
+  if (gw >= num_tokens * nkb) return;
+  const int64_t t = gw / nkb;
+  const int kb = static_cast<int>(gw % nkb);
+  const int k0 = kb * kBlock + 4 * lane;
+  float v[4];
+  load_bf16x4(x + t * d + k0, d - k0, vec != 0, v);
+  quant_group_store(v, pow2 != 0, q + t * nkb * kBlock + kb * kBlock, scale + t * nkb + kb, lane);
+}
+
+// ---------------------------------------------------------------- 3 / 5. grouped fp8 GEMM
+template <int BN>
+__global__ void __launch_bounds__(kThreads, kCtasPerSm<BN>) moe_gemm_kernel(const GemmArgs g) {
+  const int tile = blockIdx.y;
+  if (tile >= *g.num_tiles) return;  // CTA-uniform, before any barrier
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = align_smem_1024(smem_raw);
+  const int e = g.tile_expert[tile];
+  const int64_t rb = g.tile_start[tile], re = min(rb + BN, static_cast<int64_t>(g.expert_offsets[e + 1]));
+  gemm_tile<BN, false>(g, smem, e, blockIdx.x, rb, re, 0, g.nkb, 0);
+}
+
+// ---------------------------------------------------------------- 3' / 5'. bf16 fallback GEMM
+// out[q, n] = bf16(sum_k a[row(q), k] * w[e(q), n, k]), fp32, one warp per output (lanes stride K,
+// then a fixed shuffle tree: deterministic). Positions past the routed count do nothing.
+__global__ void __launch_bounds__(256) moe_bf16_gemm_kernel(const uint16_t* __restrict__ a, int64_t a_stride,
+                                                             const int32_t* a_index, const uint16_t* __restrict__ w,
+                                                             const int32_t* sorted_expert, const int32_t* total,
+                                                             int n, int k, uint16_t* __restrict__ out,
+                                                             int64_t out_stride) {
+  const int64_t q = blockIdx.x;
+  const int col = blockIdx.y * 8 + (threadIdx.x >> 5), lane = threadIdx.x & 31;
+  if (q >= *total || col >= n) return;
+  const uint16_t* ar = a + (a_index ? a_index[q] : q) * a_stride;
+  const uint16_t* wr = w + (static_cast<int64_t>(sorted_expert[q]) * n + col) * k;
+  float s = 0.f;
+  for (int kk = lane; kk < k; kk += 32) s = fmaf(bf16_bits_to_float(ar[kk]), bf16_bits_to_float(wr[kk]), s);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+  if (lane == 0) out[q * out_stride + col] = float_to_bf16_bits(s);
+}
+
+// ---------------------------------------------------------------- 4. swiglu + act_quant
+// One warp per (position, 128 columns of I). h = bf16(silu(g) * u) from the bf16 gate/up (the
+// reference casts the fp32 product to bf16 before the down linear); then the 1x128 quantiser, or
+// (bf16 weights) h stored as is.
+__global__ void __launch_bounds__(256) moe_swiglu_kernel(const uint16_t* __restrict__ gu, int64_t num_pos,
+                                                          const int32_t* total, int inter, int nkb,
+                                                          uint8_t* __restrict__ qh, float* __restrict__ sh,
+                                                          uint16_t* __restrict__ h_bf16, int pow2, int vec) {
+  const int64_t gw = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+  const int lane = threadIdx.x & 31;
+  if (gw >= num_pos * nkb) return;
+  const int64_t q = gw / nkb;
+  const int kb = static_cast<int>(gw % nkb);
+  if (q >= *total) return;
+  const int i0 = kb * kBlock + 4 * lane;
+  float g4[4], u4[4], v[4];
+  load_bf16x4(gu + q * 2 * inter + i0, inter - i0, vec != 0, g4);
+  load_bf16x4(gu + q * 2 * inter + inter + i0, inter - i0, vec != 0, u4);
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    const float silu = __fdiv_rn(g4[e], __fadd_rn(1.f, expf(-g4[e])));
+    v[e] = i0 + e < inter ? bf16_bits_to_float(float_to_bf16_bits(__fmul_rn(silu, u4[e]))) : 0.f;
+    if (h_bf16 && i0 + e < inter) h_bf16[q * inter + i0 + e] = float_to_bf16_bits(v[e]);
+  }
+  if (!h_bf16) quant_group_store(v, pow2 != 0, qh + q * nkb * kBlock + kb * kBlock, sh + q * nkb + kb, lane);
+}
+
+// ---------------------------------------------------------------- 6. combine
+__global__ void __launch_bounds__(256) moe_combine_kernel(const uint16_t* __restrict__ y, const int32_t* pair_pos,
+                                                           const float* __restrict__ topk_weights, int top_k, int d,
+                                                           float* __restrict__ out, int vec) {
+  __shared__ int32_t pos[kMaxTopK];
+  __shared__ float wt[kMaxTopK];
+  __shared__ int num_local;
+  const int64_t t = blockIdx.x;
+  if (threadIdx.x < top_k) {
+    pos[threadIdx.x] = pair_pos[t * top_k + threadIdx.x];
+    wt[threadIdx.x] = topk_weights[t * top_k + threadIdx.x];
+  }
+  __syncthreads();
+  // The token's local pairs by ascending position = ascending expert, then pair order (the
+  // sorted list is stable): the reference's summation order. Insertion sort of <= 32 entries.
+  if (threadIdx.x == 0) {
+    int n = 0;
+    for (int j = 0; j < top_k; ++j) {
+      if (pos[j] < 0) continue;
+      const int pj = pos[j];
+      const float wj = wt[j];
+      int i = n++;
+      for (; i > 0 && pos[i - 1] > pj; --i) {
+        pos[i] = pos[i - 1];
+        wt[i] = wt[i - 1];
+      }
+      pos[i] = pj;
+      wt[i] = wj;
+    }
+    num_local = n;
+  }
+  __syncthreads();
+  const int n_local = num_local;
+  // product rounded, then added: the reference's y += out * w (no FMA contraction)
+  if (vec) {  // 8 columns per thread: one 16-byte load per pair, two 16-byte stores
+    for (int c = 8 * threadIdx.x; c < d; c += 8 * blockDim.x) {
+      float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+      for (int j = 0; j < n_local; ++j) {
+        const uint4 u = *reinterpret_cast<const uint4*>(y + static_cast<int64_t>(pos[j]) * d + c);
+        const uint32_t w4[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          acc[2 * e] = __fadd_rn(acc[2 * e], __fmul_rn(wt[j], __uint_as_float(w4[e] << 16)));
+          acc[2 * e + 1] = __fadd_rn(acc[2 * e + 1], __fmul_rn(wt[j], __uint_as_float(w4[e] & 0xFFFF0000u)));
+        }
+      }
+      float4* o = reinterpret_cast<float4*>(out + t * d + c);
+      o[0] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+      o[1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
+    }
+    return;
+  }
+  for (int c = threadIdx.x; c < d; c += blockDim.x) {
+    float acc = 0.f;
+    for (int j = 0; j < n_local; ++j)
+      acc = __fadd_rn(acc, __fmul_rn(wt[j], bf16_bits_to_float(y[static_cast<int64_t>(pos[j]) * d + c])));
+    out[t * d + c] = acc;
+  }
+}
+
+// ---------------------------------------------------------------- plan and workspace
+struct MoePlan {
+  int64_t pairs;
+  int nkb_d, nkb_i, bn, max_tiles;
+  size_t off_qx, off_sx, off_gu, off_qh, off_sh, off_y, off_sorted_token, off_sorted_expert, off_pair_pos,
+      off_offsets, off_tile_expert, off_tile_start, total;
+};
+
+static size_t align256(size_t b) { return (b + 255) & ~static_cast<size_t>(255); }
+
+static int pick_bn(int64_t avg_pairs) {
+  if (avg_pairs <= 8) return 8;
+  if (avg_pairs <= 16) return 16;
+  if (avg_pairs <= 32) return 32;
+  if (avg_pairs <= 64) return 64;
+  return 128;
+}
+
+static MoePlan plan_moe(int64_t t, int top_k, int num_local, int d, int inter, int fmt) {
+  MoePlan p{};
+  t = std::max<int64_t>(t, 0);
+  const int64_t e = std::max(num_local, 1);
+  p.pairs = t * std::max(top_k, 0);
+  p.nkb_d = static_cast<int>(dsa_ceil_div(std::max(d, 1), kBlock));
+  p.nkb_i = static_cast<int>(dsa_ceil_div(std::max(inter, 1), kBlock));
+  p.bn = pick_bn(dsa_ceil_div(p.pairs, e));
+  p.max_tiles = static_cast<int>(dsa_ceil_div(p.pairs, p.bn) + e);
+  const size_t P = static_cast<size_t>(p.pairs), D = std::max(d, 0), I = std::max(inter, 0);
+  const bool fp8 = fmt == DSA_MOE_FP8_BLOCK;
+  size_t o = 0;
+  auto take = [&](size_t bytes) {
+    const size_t at = o;
+    o += align256(bytes);
+    return at;
+  };
+  p.off_qx = take(fp8 ? static_cast<size_t>(t) * p.nkb_d * kBlock : 0);
+  p.off_sx = take(fp8 ? static_cast<size_t>(t) * p.nkb_d * 4 : 0);
+  p.off_gu = take(P * 2 * I * 2);
+  p.off_qh = take(fp8 ? P * p.nkb_i * kBlock : P * I * 2);
+  p.off_sh = take(fp8 ? P * p.nkb_i * 4 : 0);
+  p.off_y = take(P * D * 2);
+  p.off_sorted_token = take(P * 4);
+  p.off_sorted_expert = take(P * 4);
+  p.off_pair_pos = take(P * 4);
+  p.off_offsets = take((e + 2) * 4);  // expert_offsets[E + 1], then num_tiles
+  const size_t table = static_cast<size_t>(dsa_ceil_div(p.pairs, kMinBn) + e);
+  p.off_tile_expert = take(table * 4);
+  p.off_tile_start = take(table * 4);
+  p.total = o;
+  return p;
+}
+
+template <int BN>
+static int launch_grouped(const GemmArgs& g, int max_tiles, cudaStream_t stream) {
+  auto kernel = moe_gemm_kernel<BN>;
+  constexpr int smem = Tile<BN>::kSmem;
+  const int st = dsa_kernel_attributes("moe_experts", reinterpret_cast<const void*>(kernel), smem);
+  if (st != DSA_OK) return st;
+  kernel<<<dim3(static_cast<unsigned>(dsa_ceil_div(g.n, kTileM)), max_tiles), kThreads, smem, stream>>>(g);
+  DSA_CUDA_CHECK_LAUNCH();
+  return DSA_OK;
+}
+
+static int launch_grouped_bn(int bn, const GemmArgs& g, int max_tiles, cudaStream_t stream) {
+  switch (bn) {
+    case 8: return launch_grouped<8>(g, max_tiles, stream);
+    case 16: return launch_grouped<16>(g, max_tiles, stream);
+    case 32: return launch_grouped<32>(g, max_tiles, stream);
+    case 64: return launch_grouped<64>(g, max_tiles, stream);
+    default: return launch_grouped<128>(g, max_tiles, stream);
+  }
+}
+
+}  // namespace dsa_moe
+
+using namespace dsa_moe;
+
+extern "C" size_t dsa_moe_experts_workspace_size(int64_t num_tokens, int top_k, int num_local_experts, int hidden,
+                                                 int inter, int weight_format) {
+  return plan_moe(num_tokens, top_k, num_local_experts, hidden, inter, weight_format).total;
+}
+
+extern "C" int dsa_launch_moe_experts(const DsaMoeExpertsParams* p, cudaStream_t stream) {
+  DSA_CHECK_ARG(p != nullptr, "moe_experts: params is NULL");
+  DSA_CHECK_ARG(p->num_tokens >= 0, "moe_experts: num_tokens=%lld must be >= 0", (long long)p->num_tokens);
+  DSA_CHECK_ARG(p->top_k >= 1 && p->top_k <= kMaxTopK, "moe_experts: top_k=%d must be in [1, %d]", p->top_k,
+                kMaxTopK);
+  DSA_CHECK_ARG(p->num_experts >= 1, "moe_experts: num_experts=%d must be positive", p->num_experts);
+  DSA_CHECK_ARG(p->num_local_experts >= 1 && p->expert_offset >= 0 &&
+                    p->expert_offset + p->num_local_experts <= p->num_experts,
+                "moe_experts: local experts [expert_offset=%d, +num_local_experts=%d) must lie in [0, num_experts=%d)",
+                p->expert_offset, p->num_local_experts, p->num_experts);
+  DSA_CHECK_SUPPORTED(p->num_local_experts <= kMaxLocalExperts, "moe_experts: num_local_experts=%d unsupported (<= %d)",
+                      p->num_local_experts, kMaxLocalExperts);
+  DSA_CHECK_ARG(p->hidden > 0 && p->inter > 0, "moe_experts: hidden=%d and inter=%d must be positive", p->hidden,
+                p->inter);
+  DSA_CHECK_ARG(p->weight_format == DSA_MOE_FP8_BLOCK || p->weight_format == DSA_MOE_BF16,
+                "moe_experts: weight_format=%d unsupported (0 = DSA_MOE_FP8_BLOCK, 1 = DSA_MOE_BF16)",
+                p->weight_format);
+  DSA_CHECK_ARG(p->pow2_act_scales == 0 || p->pow2_act_scales == 1, "moe_experts: pow2_act_scales=%d must be 0 or 1",
+                p->pow2_act_scales);
+  const bool fp8 = p->weight_format == DSA_MOE_FP8_BLOCK;
+  DSA_CHECK_SUPPORTED(!fp8 || (p->hidden % 16 == 0 && p->inter % 16 == 0),
+                      "moe_experts: hidden=%d / inter=%d unsupported for fp8 weights: weight rows are copied in "
+                      "16-byte chunks, so both must be multiples of 16",
+                      p->hidden, p->inter);
+  const int64_t pairs = p->num_tokens * p->top_k;
+  DSA_CHECK_SUPPORTED(pairs < (1ll << 31), "moe_experts: num_tokens * top_k = %lld pairs exceed int32",
+                      (long long)pairs);
+  if (p->num_tokens == 0) return DSA_OK;
+  DSA_CHECK_ARG(p->x && p->topk_ids && p->topk_weights && p->w13 && p->w2 && p->out && p->workspace,
+                "moe_experts: NULL pointer (x=%p topk_ids=%p topk_weights=%p w13=%p w2=%p out=%p workspace=%p)",
+                p->x, p->topk_ids, p->topk_weights, p->w13, p->w2, p->out, p->workspace);
+  DSA_CHECK_ARG(!fp8 || (p->w13_scale && p->w2_scale),
+                "moe_experts: fp8 weights need w13_scale=%p and w2_scale=%p (non-NULL)", p->w13_scale, p->w2_scale);
+  DSA_CHECK_ARG((reinterpret_cast<uintptr_t>(p->workspace) & 15) == 0 &&
+                    (reinterpret_cast<uintptr_t>(p->w13) & 15) == 0 && (reinterpret_cast<uintptr_t>(p->w2) & 15) == 0,
+                "moe_experts: workspace=%p, w13=%p and w2=%p must be 16-byte aligned", p->workspace,
+                p->w13, p->w2);
+
+  const MoePlan plan = plan_moe(p->num_tokens, p->top_k, p->num_local_experts, p->hidden, p->inter, p->weight_format);
+  DSA_CHECK_SUPPORTED(plan.max_tiles <= 65535, "moe_experts: %d token tiles exceed the grid (num_tokens=%lld)",
+                      plan.max_tiles, (long long)p->num_tokens);
+  uint8_t* ws = static_cast<uint8_t*>(p->workspace);
+  auto at = [&](size_t off) { return ws + off; };
+  int32_t* sorted_token = reinterpret_cast<int32_t*>(at(plan.off_sorted_token));
+  int32_t* sorted_expert = reinterpret_cast<int32_t*>(at(plan.off_sorted_expert));
+  int32_t* pair_pos = reinterpret_cast<int32_t*>(at(plan.off_pair_pos));
+  int32_t* offsets = reinterpret_cast<int32_t*>(at(plan.off_offsets));
+  int32_t* num_tiles = offsets + p->num_local_experts + 1;
+  int32_t* total = offsets + p->num_local_experts;
+  int32_t* tile_expert = reinterpret_cast<int32_t*>(at(plan.off_tile_expert));
+  int32_t* tile_start = reinterpret_cast<int32_t*>(at(plan.off_tile_start));
+  uint16_t* gu = reinterpret_cast<uint16_t*>(at(plan.off_gu));
+  uint16_t* y = reinterpret_cast<uint16_t*>(at(plan.off_y));
+  const int E = p->num_local_experts, D = p->hidden, I = p->inter;
+
+  // 1. routing
+  const size_t prep_smem = static_cast<size_t>(kPrepWarps) * E * sizeof(int32_t);
+  int st = dsa_kernel_attributes("moe_experts", reinterpret_cast<const void*>(moe_prep_kernel), prep_smem);
+  if (st != DSA_OK) return st;
+  moe_prep_kernel<<<1, kPrepThreads, prep_smem, stream>>>(p->topk_ids, static_cast<int>(pairs), p->top_k,
+                                                         p->num_experts, E, p->expert_offset, plan.bn, sorted_token,
+                                                         sorted_expert, pair_pos, offsets, num_tiles, tile_expert,
+                                                         tile_start);
+  DSA_CUDA_CHECK_LAUNCH();
+
+  const unsigned swiglu_blocks = static_cast<unsigned>(dsa_ceil_div(pairs * plan.nkb_i * 32, 256));
+  if (fp8) {
+    uint8_t* qx = at(plan.off_qx);
+    float* sx = reinterpret_cast<float*>(at(plan.off_sx));
+    uint8_t* qh = at(plan.off_qh);
+    float* sh = reinterpret_cast<float*>(at(plan.off_sh));
+    // 2. x -> e4m3
+    moe_act_quant_kernel<<<static_cast<unsigned>(dsa_ceil_div(p->num_tokens * plan.nkb_d * 32, 256)), 256, 0,
+                           stream>>>(static_cast<const uint16_t*>(p->x), p->num_tokens, D, plan.nkb_d, qx, sx,
+                                     p->pow2_act_scales, (reinterpret_cast<uintptr_t>(p->x) & 7) == 0);
+    DSA_CUDA_CHECK_LAUNCH();
+    // 3. gate | up
+    GemmArgs g{};
+    g.w = static_cast<const uint8_t*>(p->w13);
+    g.w_scale = p->w13_scale;
+    g.n = 2 * I;
+    g.k = D;
+    g.nkb = plan.nkb_d;
+    g.w_expert_stride = static_cast<int64_t>(2 * I) * D;
+    g.ws_expert_stride = dsa_ceil_div(2 * I, kBlock) * plan.nkb_d;
+    g.a = qx;
+    g.a_scale = sx;
+    g.a_stride = static_cast<int64_t>(plan.nkb_d) * kBlock;
+    g.a_index = sorted_token;
+    g.out = gu;
+    g.out_stride = 2 * I;
+    g.vec_store = (2 * I) % 8 == 0;
+    g.tile_expert = tile_expert;
+    g.tile_start = tile_start;
+    g.expert_offsets = offsets;
+    g.num_tiles = num_tiles;
+    if ((st = launch_grouped_bn(plan.bn, g, plan.max_tiles, stream)) != DSA_OK) return st;
+    // 4. h = e4m3(bf16(silu(gate) * up))
+    moe_swiglu_kernel<<<swiglu_blocks, 256, 0, stream>>>(gu, pairs, total, I, plan.nkb_i, qh, sh, nullptr,
+                                                         p->pow2_act_scales, 1);  // I % 16 == 0
+    DSA_CUDA_CHECK_LAUNCH();
+    // 5. down
+    g.w = static_cast<const uint8_t*>(p->w2);
+    g.w_scale = p->w2_scale;
+    g.n = D;
+    g.k = I;
+    g.nkb = plan.nkb_i;
+    g.w_expert_stride = static_cast<int64_t>(D) * I;
+    g.ws_expert_stride = dsa_ceil_div(D, kBlock) * plan.nkb_i;
+    g.a = qh;
+    g.a_scale = sh;
+    g.a_stride = static_cast<int64_t>(plan.nkb_i) * kBlock;
+    g.a_index = nullptr;
+    g.out = y;
+    g.out_stride = D;
+    g.vec_store = D % 8 == 0;
+    if ((st = launch_grouped_bn(plan.bn, g, plan.max_tiles, stream)) != DSA_OK) return st;
+  } else {
+    uint16_t* h = reinterpret_cast<uint16_t*>(at(plan.off_qh));
+    DSA_CHECK_SUPPORTED(dsa_ceil_div(std::max(2 * I, D), 8) <= 65535,
+                        "moe_experts: bf16 path: 2*inter=%d / hidden=%d too large (<= 524280)", 2 * I, D);
+    moe_bf16_gemm_kernel<<<dim3(static_cast<unsigned>(pairs), static_cast<unsigned>(dsa_ceil_div(2 * I, 8))), 256, 0,
+                           stream>>>(static_cast<const uint16_t*>(p->x), D, sorted_token,
+                                     static_cast<const uint16_t*>(p->w13), sorted_expert, total, 2 * I, D, gu, 2 * I);
+    DSA_CUDA_CHECK_LAUNCH();
+    moe_swiglu_kernel<<<swiglu_blocks, 256, 0, stream>>>(gu, pairs, total, I, plan.nkb_i, nullptr, nullptr, h, 0,
+                                                         I % 4 == 0);
+    DSA_CUDA_CHECK_LAUNCH();
+    moe_bf16_gemm_kernel<<<dim3(static_cast<unsigned>(pairs), static_cast<unsigned>(dsa_ceil_div(D, 8))), 256, 0,
+                           stream>>>(h, I, nullptr, static_cast<const uint16_t*>(p->w2), sorted_expert, total, D, I, y,
+                                     D);
+    DSA_CUDA_CHECK_LAUNCH();
+  }
+  // 6. combine
+  moe_combine_kernel<<<static_cast<unsigned>(p->num_tokens), 256, 0, stream>>>(y, pair_pos, p->topk_weights, p->top_k,
+                                                                              D, p->out,
+      D % 8 == 0 && (reinterpret_cast<uintptr_t>(p->out) & 15) == 0);
+  DSA_CUDA_CHECK_LAUNCH();
+  return DSA_OK;
+}
