@@ -173,22 +173,8 @@ class TritonServer:
         return True
 
     def backend_stubs(self) -> list[int]:
-        """Pids of the python-backend stub processes of this server (its children, from /proc)."""
-        if self.process is None:
-            return []
-        pids = []
-        for d in Path("/proc").iterdir():
-            if not d.name.isdigit():
-                continue
-            try:
-                stat = (d / "stat").read_text()
-                cmd = (d / "cmdline").read_bytes()
-            except OSError:
-                continue
-            ppid = int(stat.rsplit(")", 1)[1].split()[1])
-            if ppid == self.process.pid and b"triton_python_backend_stub" in cmd:
-                pids.append(int(d.name))
-        return sorted(pids)
+        """Pids of the python-backend stub processes of this server."""
+        return [] if self.process is None else backend_stub_pids(self.process.pid)
 
     def supervise(self, poll_s: float = 1.0, stop_event=None) -> str:
         """Block while the server and its backend stubs live; returns why serving stopped.
@@ -232,6 +218,22 @@ class TritonServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def backend_stub_pids(server_pid: int) -> list[int]:
+    """Pids of the python-backend stubs that tritonserver ``server_pid`` started (from /proc)."""
+    pids = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text()
+            cmd = (d / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == server_pid and b"triton_python_backend_stub" in cmd:
+            pids.append(int(d.name))
+    return sorted(pids)
 
 
 def _is_zombie(pid: int) -> bool:
