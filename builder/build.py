@@ -25,7 +25,7 @@ from tqdm import tqdm
 from dsa_trt.calibration.kv_scale import KV_RECIPE, token_sequences
 from dsa_trt.calibration.modelopt_kv import CalibrationError, KVCalibration, calibrate_kv_cache
 from dsa_trt.config import ConfigError
-from dsa_trt.engine_config import EngineConfig
+from dsa_trt.engine_config import EngineConfig, write_manifest
 from dsa_trt.export.checkpoint import Checkpoint, CheckpointError
 from dsa_trt.export.program import build_network, export_program
 from dsa_trt.export.sharding import check_tp
@@ -131,6 +131,11 @@ def build_engine(checkpoint: str | Path, out: str | Path, tp: int = 1, cache_mod
     ckpt = Checkpoint(checkpoint)
     cfg = ckpt.config
     check_tp(cfg, tp)
+    try:  # before any compile: a garbage tokenizer.json would only fail when the engine serves
+        Tokenizer(ckpt.tokenizer_path, cfg.bos_token_id, cfg.eos_token_id)
+    except Exception as e:  # noqa: BLE001 - the tokenizers library raises bare Exceptions
+        raise BuildError(f"{ckpt.tokenizer_path}: not a readable tokenizer.json ({e}); copy it again from the "
+                         "original model repository") from None
     _log(f"checkpoint {checkpoint}: {cfg.model_type}, {cfg.num_hidden_layers} layers, validated", t0)
 
     kv_scales = [1.0] * cfg.num_hidden_layers
@@ -190,6 +195,7 @@ def build_engine(checkpoint: str | Path, out: str | Path, tp: int = 1, cache_mod
         if src.is_file():
             shutil.copy(src, out / f)
     cfg_out.save(out)
+    write_manifest(out, cfg_out)  # last: the sha256 of every file and the config the programs were built from
     _log(f"engine -> {out}", t0)
     print(build_summary(out, cfg_out), flush=True)
     return cfg_out

@@ -172,8 +172,9 @@ class ModelConfig:
         rope_theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
         eos = d.get("eos_token_id", 1)
         eos = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
-        q = d.get("quantization_config") or {}
-        block = tuple(q["weight_block_size"]) if q.get("quant_method") == "fp8" and "weight_block_size" in q else None
+        check_dtype_fields(d)
+        q = check_quantization_config(d.get("quantization_config"))
+        block = tuple(q["weight_block_size"]) if q else None
         kwargs = dict(
             model_type=model_type,
             vocab_size=need("vocab_size"),
@@ -228,9 +229,17 @@ class ModelConfig:
             raise ConfigError(f"{path}: no config.json; point at a Hugging Face checkpoint directory")
         try:
             d = json.loads(path.read_text())
-        except json.JSONDecodeError as e:
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise ConfigError(f"{path}: not valid JSON ({e})") from e
-        return cls.from_hf_dict(d)
+        if not isinstance(d, dict):
+            raise ConfigError(f"{path}: holds a JSON {type(d).__name__}, not an object of fields; "
+                              "point at the checkpoint's own config.json")
+        try:
+            return cls.from_hf_dict(d)
+        except (TypeError, ValueError) as e:  # a field of the wrong JSON type
+            if isinstance(e, ConfigError):
+                raise
+            raise ConfigError(f"{path}: a field has the wrong type ({e}); compare with the original config.json") from e
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -246,6 +255,47 @@ class ModelConfig:
             if d.get(key) is not None:
                 d[key] = tuple(d[key])
         return cls(**d)
+
+
+# What the loader can read: the fp8 block format of DeepSeek-V3.x / GLM-5 (MODEL.md §2), or none.
+QUANT_METHODS = ("fp8",)
+QUANT_FMTS = ("e4m3",)
+QUANT_SCALE_FMTS = (None, "ue8m0")
+QUANT_ACTIVATION_SCHEMES = (None, "dynamic")
+CONFIG_DTYPES = ("bfloat16", "float16", "float32")  # config.json torch_dtype / dtype
+
+
+def check_dtype_fields(d: dict) -> None:
+    for key in ("torch_dtype", "dtype"):
+        v = d.get(key)
+        if v is not None and v not in CONFIG_DTYPES:
+            raise ConfigError(f"config.json: {key}={v!r} is not a dtype this loader knows ({', '.join(CONFIG_DTYPES)})")
+
+
+def check_quantization_config(q) -> dict | None:
+    """The fp8 block quantization_config, validated (every field named); None when absent."""
+    if q is None or q == {}:
+        return None
+    if not isinstance(q, dict):
+        raise ConfigError(f"config.json: quantization_config must be an object, got {type(q).__name__}")
+    problems = []
+    if q.get("quant_method") not in QUANT_METHODS:
+        problems.append(f"quant_method={q.get('quant_method')!r} is not supported (supported: {QUANT_METHODS}; "
+                        "remove quantization_config for a bf16/fp32 checkpoint)")
+    if "fmt" in q and q["fmt"] not in QUANT_FMTS:
+        problems.append(f"fmt={q['fmt']!r} is not supported (supported: {QUANT_FMTS})")
+    if q.get("scale_fmt") not in QUANT_SCALE_FMTS:
+        problems.append(f"scale_fmt={q.get('scale_fmt')!r} is not supported (supported: {QUANT_SCALE_FMTS})")
+    if q.get("activation_scheme") not in QUANT_ACTIVATION_SCHEMES:
+        problems.append(f"activation_scheme={q.get('activation_scheme')!r} is not supported "
+                        f"(supported: {QUANT_ACTIVATION_SCHEMES})")
+    block = q.get("weight_block_size")
+    if not (isinstance(block, list) and len(block) == 2
+            and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+        problems.append(f"weight_block_size={block!r} must be a list of two positive ints, e.g. [128, 128]")
+    if problems:
+        raise ConfigError("config.json: quantization_config." + "; quantization_config.".join(problems))
+    return q
 
 
 def _yarn_get_mscale(scale: float, mscale: float) -> float:

@@ -109,6 +109,8 @@ class EngineConfig:
             raise EngineDirError(f"{path}: {e}") from e
         if check_files:
             cfg.check_files(engine_dir)
+            if verify_mode() != "off" and (manifest := read_manifest(engine_dir)) is not None:
+                check_config_tie(engine_dir, json.loads(path.read_text()), manifest)  # cheap: no hashing
         return cfg
 
     def check_files(self, engine_dir: Path) -> None:
@@ -126,3 +128,162 @@ class EngineConfig:
                 f"{engine_dir}: missing {', '.join(missing)} (tp_size={self.tp_size}, compiler={self.compiler}); "
                 "the directory is incomplete: rebuild it with `make engine`"
             )
+
+
+# ------------------------------------------------------------------------------ the manifest
+# manifest.json, written by the builder last: the size and sha256 of every file of the directory
+# and the engine_config.json the compiled programs were built from ("built_with"; each program's
+# entry names that config's hash). Engine.load checks it (verify_engine_files), so a flipped bit, a
+# swapped or replaced program, or an edited engine_config.json is an error naming the file or field.
+#
+# Cost: sha256 streams each file in HASH_CHUNK pieces, one thread per file (hashlib releases the
+# GIL), and reads only the files of the loading rank (its two programs, tokenizer, quant, plugin).
+# At ~1.5-2 GB/s per core with SHA extensions, a 700 GB tp=8 engine hashes ~88 GB per rank: about
+# 25 s per rank on 2 threads, or the disk's read time when slower (700 GB at 7 GB/s is ~100 s, in
+# which the page cache is warmed for the load that follows). DSA_VERIFY_ENGINE=size checks sizes and
+# the config tie only (milliseconds; misses a flipped bit); =off skips the manifest.
+MANIFEST_NAME = "manifest.json"
+MANIFEST_FORMAT = 1
+HASH_CHUNK = 8 << 20
+HASH_THREADS = 4
+VERIFY_MODES = ("full", "size", "off")
+
+
+def config_sha256(raw: dict) -> str:
+    """Hash of an engine_config.json's content (key order and whitespace do not matter)."""
+    import hashlib
+
+    return hashlib.sha256(json.dumps(raw, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def file_sha256(path: Path) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    buf = bytearray(HASH_CHUNK)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            h.update(view[:n])
+    return h.hexdigest()
+
+
+def _hash_files(paths: list[Path]) -> list[str]:
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(min(HASH_THREADS, max(1, len(paths)))) as pool:
+        return list(pool.map(file_sha256, paths))
+
+
+def write_manifest(engine_dir: str | Path, cfg: EngineConfig) -> Path:
+    """Record every file of ``engine_dir`` (engine_config.json already saved, manifest excepted)."""
+    engine_dir = Path(engine_dir)
+    raw = json.loads((engine_dir / ENGINE_CONFIG_NAME).read_text())
+    tie = config_sha256(raw)
+    programs = {cfg.rank_file(r, dense) for r in range(cfg.tp_size) for dense in (False, True)}
+    names = sorted(p.relative_to(engine_dir).as_posix() for p in engine_dir.rglob("*")
+                   if p.is_file() and p.name != MANIFEST_NAME and p.parent.name != "__pycache__"
+                   and p.relative_to(engine_dir).as_posix() != ENGINE_CONFIG_NAME)
+    digests = _hash_files([engine_dir / n for n in names])
+    files = {}
+    for name, digest in zip(names, digests):
+        files[name] = {"size": (engine_dir / name).stat().st_size, "sha256": digest}
+        if name in programs:
+            files[name]["built_from"] = tie
+    manifest = {"format": MANIFEST_FORMAT, "config_sha256": tie, "built_with": raw, "files": files}
+    path = engine_dir / MANIFEST_NAME
+    path.write_text(json.dumps(manifest, indent=1) + "\n")
+    return path
+
+
+def read_manifest(engine_dir: Path) -> dict | None:
+    path = engine_dir / MANIFEST_NAME
+    if not path.is_file():
+        return None
+    try:
+        m = json.loads(path.read_text())
+        if m.get("format") != MANIFEST_FORMAT or not isinstance(m.get("files"), dict):
+            raise ValueError(f"format {m.get('format')!r}, this runtime reads {MANIFEST_FORMAT}")
+        m["built_with"], m["config_sha256"]  # noqa: B018 - both must be there
+        return m
+    except (json.JSONDecodeError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise EngineDirError(f"{path}: unreadable manifest ({type(e).__name__}: {e}); rebuild the engine") from None
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[prefix + k] = v
+    return out
+
+
+def check_config_tie(engine_dir: Path, raw: dict, manifest: dict) -> None:
+    """engine_config.json must be the config the programs were compiled from."""
+    if config_sha256(raw) == manifest["config_sha256"]:
+        return
+    now, then = _flat(raw), _flat(manifest["built_with"])
+    diff = [f"{k} is {now.get(k, '(absent)')!r} but the programs were built with {then.get(k, '(absent)')!r}"
+            for k in sorted(set(now) | set(then)) if now.get(k) != then.get(k)]
+    raise EngineDirError(
+        f"{engine_dir / ENGINE_CONFIG_NAME}: does not match the config its compiled programs were built from "
+        f"({MANIFEST_NAME}): {'; '.join(diff[:6]) or 'content differs'}; the programs bake these values in: "
+        "restore the file or rebuild the engine"
+    )
+
+
+def verify_mode(mode: str | None = None) -> str:
+    import os
+
+    raw = mode if mode is not None else os.environ.get("DSA_VERIFY_ENGINE", "full")
+    if raw.strip().lower() not in VERIFY_MODES:
+        raise EngineDirError(f"DSA_VERIFY_ENGINE={raw!r} must be one of {', '.join(VERIFY_MODES)}")
+    return raw.strip().lower()
+
+
+def verify_engine_files(engine_dir: str | Path, cfg: EngineConfig, rank: int = 0, mode: str | None = None) -> None:
+    """Check the files rank ``rank`` loads against manifest.json (mode: DSA_VERIFY_ENGINE)."""
+    engine_dir = Path(engine_dir)
+    mode = verify_mode(mode)
+    if mode == "off":
+        return
+    manifest = read_manifest(engine_dir)
+    if manifest is None:
+        import warnings
+
+        warnings.warn(f"{engine_dir}: no {MANIFEST_NAME} (an engine built before manifests): its files are not "
+                      "verified; rebuild it to get one", RuntimeWarning, stacklevel=2)
+        return
+    check_config_tie(engine_dir, json.loads((engine_dir / ENGINE_CONFIG_NAME).read_text()), manifest)
+    files = manifest["files"]
+    mine = {cfg.rank_file(rank), cfg.rank_file(rank, dense=True)} if cfg.compiler != "eager" else {cfg.rank_file(rank)}
+    others = {cfg.rank_file(r, d) for r in range(cfg.tp_size) for d in (False, True)} - mine
+    # this rank's programs and the shared files; other ranks' programs and the ONNX are not loaded here
+    names = sorted(n for n in files if n not in others and not n.startswith("onnx/"))
+    for name in sorted(mine - set(files)):
+        if (engine_dir / name).is_file():
+            raise EngineDirError(f"{engine_dir / name}: not in {MANIFEST_NAME}; rebuild the engine")
+    for name in names:
+        path = engine_dir / name
+        if not path.is_file():
+            raise EngineDirError(f"{path}: listed in {MANIFEST_NAME} but missing; rebuild the engine")
+        size, want = path.stat().st_size, files[name]["size"]
+        if size != want:
+            raise EngineDirError(f"{path}: {size:,} bytes but {MANIFEST_NAME} recorded {want:,}; the file was "
+                                 "replaced or truncated: rebuild the engine (or restore the file)")
+        if files[name].get("built_from", manifest["config_sha256"]) != manifest["config_sha256"]:
+            raise EngineDirError(f"{path}: compiled from another engine_config.json than this directory's "
+                                 f"({MANIFEST_NAME}); rebuild the engine")
+    if mode != "full":
+        return
+    by_digest = {e["sha256"]: n for n, e in files.items()}
+    for name, digest in zip(names, _hash_files([engine_dir / n for n in names])):
+        if digest != files[name]["sha256"]:
+            other = by_digest.get(digest)
+            hint = f"it holds what {MANIFEST_NAME} records for {other} (files swapped or copied over?)" if other \
+                else "its content changed since the build (corruption, or an edit)"
+            raise EngineDirError(f"{engine_dir / name}: sha256 {digest[:16]}... does not match {MANIFEST_NAME} "
+                                 f"({files[name]['sha256'][:16]}...): {hint}; rebuild the engine or restore "
+                                 "the file (DSA_VERIFY_ENGINE=size|off skips this check)")

@@ -244,7 +244,9 @@ class Checkpoint:
         handle = self._handles.get(header.shard)
         if handle is None:
             handle = self._handles[header.shard] = safe_open(str(header.shard), framework="pt")
-        return handle.get_tensor(name)
+        tensor = handle.get_tensor(name)
+        _check_finite(self.path, name, header.shard, tensor)  # as each tensor is read: no extra pass
+        return tensor
 
     def get(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The tensor in ``dtype``; fp8 weights are dequantized with their block scale first."""
@@ -434,6 +436,24 @@ class Checkpoint:
                 f"num_nextn_predict_layers={cfg.num_nextn_predict_layers}, "
                 f"n_routed_experts={cfg.n_routed_experts}); check config.json or remove the tensor"
             )
+
+
+def count_nonfinite(t: torch.Tensor) -> int:
+    """NaN/Inf elements; fp8 by bit pattern (e4m3fn has no Inf: NaN is S.1111.111)."""
+    if t.dtype == torch.float8_e4m3fn:
+        return int(((t.view(torch.uint8) & 0x7F) == 0x7F).sum())
+    if t.dtype == torch.float8_e5m2:
+        return int(((t.view(torch.uint8) & 0x7C) == 0x7C).sum())
+    return int((~torch.isfinite(t)).sum()) if t.is_floating_point() else 0
+
+
+def _check_finite(path: Path, name: str, shard: Path, t: torch.Tensor) -> None:
+    bad = count_nonfinite(t)
+    if bad:
+        raise CheckpointError(path, [
+            f"tensor {name} in {shard.name} holds {bad:,} NaN/Inf value(s) of {t.numel():,}; the weights are "
+            "corrupt (a bad download or export): download that shard again or re-export the checkpoint"
+        ])
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

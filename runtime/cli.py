@@ -50,16 +50,24 @@ def _generate_with(llm, a: argparse.Namespace) -> int:
 def _serve(a: argparse.Namespace) -> int:
     """Write the Triton model repository for the engine and run the bundled tritonserver."""
     import tempfile
+    import uuid
     from pathlib import Path
 
     from .triton import TritonServer, write_model_repository
     from .triton.server import ServerError
 
+    launch_id = uuid.uuid4().hex
+    server = TritonServer(Path("."), a.http_port, a.grpc_port, a.metrics_port, address=a.address,
+                          inherit_output=True, model=a.model_name, launch_id=launch_id)
+    try:
+        server.check_ports()  # before writing anything or printing any banner
+    except ServerError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     work = Path(a.work_dir or tempfile.mkdtemp(prefix="dsa-trt-serve-"))
     repo = write_model_repository(a.engine, a.model_repository or work / "model_repository", a.model_name,
-                                  num_pages=a.num_pages)
-    server = TritonServer(repo.path, a.http_port, a.grpc_port, a.metrics_port, address=a.address,
-                          inherit_output=True, extra_args=repo.server_args)
+                                  num_pages=a.num_pages, launch_id=launch_id)
+    server.repo, server.extra_args = repo.path, repo.server_args
     try:
         server.start(work).wait_ready(a.ready_timeout)
     except ServerError as e:
@@ -71,16 +79,29 @@ def _serve(a: argparse.Namespace) -> int:
           f"  HTTP     {gen}/generate   {gen}/generate_stream\n"
           f"  gRPC     {server.grpc_url}   (decoupled: use a stream)\n"
           f"  metrics  {server.metrics_url}\n"
+          f"  limits   max_model_len {_advertised_max_model_len(repo.path, a.model_name)} (prompt + max_tokens)\n"
           f"  example  curl -s {gen}/generate -d '{{\"text_input\": \"Hello\", \"max_tokens\": 16}}'\n"
           "Ctrl-C stops the server.", flush=True)
     # The server runs in its own session: stop it on Ctrl-C and on SIGTERM, not only on our exit.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
-        return server.process.wait()
+        why = server.supervise()  # returns when tritonserver exits or a backend stub dies
+        code = server.returncode()  # None: a stub died, the server still runs (stopped below)
     except KeyboardInterrupt:
         return 0
     finally:
         server.stop()
+    if code == 0:
+        return 0
+    print(f"error: {why}", file=sys.stderr, flush=True)
+    return 3
+
+
+def _advertised_max_model_len(repo, model: str) -> str:
+    import re
+
+    m = re.search(r'key: "max_model_len" value \{ string_value: "(\d+)"', (repo / model / "config.pbtxt").read_text())
+    return m.group(1) if m else "sized at load (see the server log)"
 
 
 def _percentile(xs: list[float], q: float) -> float:

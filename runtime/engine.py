@@ -18,7 +18,7 @@ import torch
 
 import dsa_trt.plugins.collectives  # noqa: F401  (dsa::all_reduce, called by tensor-parallel programs)
 import dsa_trt.plugins.ops  # noqa: F401  (registers torch.ops.dsa.* before any program loads)
-from dsa_trt.engine_config import EngineConfig, EngineDirError
+from dsa_trt.engine_config import EngineConfig, EngineDirError, verify_engine_files
 from dsa_trt.package_check import PackageLinkError, check_package
 
 from .step_inputs import StepInputs
@@ -39,6 +39,7 @@ class Engine:
     def load(cls, engine_dir: str | Path, rank: int = 0, device: str | None = None) -> "Engine":
         engine_dir = Path(engine_dir)
         cfg = EngineConfig.load(engine_dir)
+        verify_engine_files(engine_dir, cfg, rank)  # manifest.json: sizes, sha256, config tie (DSA_VERIFY_ENGINE)
         dev = torch.device(device or cfg.device)
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise EngineDirError(

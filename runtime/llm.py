@@ -9,7 +9,6 @@ can be added or cancelled from other threads while one thread steps.
 from __future__ import annotations
 
 import itertools
-import os
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +19,7 @@ import torch
 from dsa_trt.config import PAGE_SIZE
 from dsa_trt.plugins.pools import allocate_pools
 
+from . import knobs
 from .engine import Engine
 from .page_pool import PagePool
 from .sampling import SamplingParams, make_generator, sample
@@ -27,7 +27,9 @@ from .scheduler import Request, Scheduler
 from .tokenizer import Tokenizer
 
 DEFAULT_CPU_PAGES = 512  # 32K tokens of cache on the CPU unless DSA_NUM_PAGES says otherwise
-DEFAULT_CACHE_FRACTION = 0.5  # of free GPU memory after the engine loads
+
+
+FINISH_REASONS = ("stop", "length", "cancelled", "error")  # stop: EOS / stop token / stop string
 
 
 @dataclass
@@ -38,7 +40,7 @@ class CompletionOutput:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] | None = None
-    finish_reason: str | None = None  # "stop" | "length" | "abort" while None: still running
+    finish_reason: str | None = None  # FINISH_REASONS; None while still running
     stop_reason: int | str | None = None
     num_cached_tokens: int = 0
 
@@ -58,26 +60,35 @@ class StepDelta:
 class LLM:
     def __init__(self, engine: str | Path | Engine, num_pages: int | None = None,
                  cache_fraction: float | None = None, max_num_tokens: int | None = None, max_num_seqs: int = 256):
+        knobs.validate_environment()  # a bad DSA_* value fails here, naming the variable
         self.engine = engine if isinstance(engine, Engine) else Engine.load(engine)
         cfg = self.engine.config
         self.model_config = cfg.model
         if self.engine.tokenizer_path is None:
             raise ValueError("the engine has no tokenizer_path: load it with Engine.load(engine_dir)")
-        self.tokenizer = Tokenizer(self.engine.tokenizer_path, cfg.model.bos_token_id, cfg.model.eos_token_id)
+        self.tokenizer = _load_tokenizer(self.engine.tokenizer_path, cfg.model)
         self.device = self.engine.device
         pages = self._num_pages(num_pages, cache_fraction)
         self.pool = PagePool(pages)
         self.mla_pools, self.index_pools = allocate_pools(cfg.model, cfg.cache_mode, pages, self.device)
         self.graphs = None
-        if self.device.type == "cuda" and os.environ.get("DSA_CUDA_GRAPHS", "1") != "0":
+        if self.device.type == "cuda" and knobs.get("DSA_CUDA_GRAPHS") == "1":
             from .cuda_graphs import CudaGraphRunner
 
             self.graphs = CudaGraphRunner(self.engine, self.mla_pools, self.index_pools, max_num_seqs)
-        self.max_model_len = min(cfg.model.max_position_embeddings, cfg.max_pages_per_seq * PAGE_SIZE)
+        # What one sequence can hold: positions, page-table width, and the whole pool (a request
+        # longer than the pool could only be cut short). Requests beyond it are refused at add.
+        self.limits = {
+            "max_position_embeddings": cfg.model.max_position_embeddings,
+            "max_pages_per_seq * 64": cfg.max_pages_per_seq * PAGE_SIZE,
+            "cache pool tokens": pages * PAGE_SIZE,
+        }
+        self.max_model_len = min(self.limits.values())
         self.scheduler = Scheduler(
             self.pool, max_num_tokens=min(max_num_tokens or cfg.max_num_tokens, cfg.max_num_tokens),
             max_num_seqs=min(max_num_seqs, cfg.max_batch), max_model_len=self.max_model_len,
             index_topk=cfg.model.index_topk, eos_token_ids=cfg.model.eos_token_id,
+            max_model_len_note=", ".join(f"{k} {v}" for k, v in self.limits.items()),
         )
         self._outputs: dict[str, CompletionOutput] = {}
         self._ids = itertools.count()
@@ -85,20 +96,37 @@ class LLM:
 
     # ---------------------------------------------------------------- sizing
     def _num_pages(self, num_pages: int | None, fraction: float | None) -> int:
-        env = os.environ.get("DSA_NUM_PAGES")
-        if num_pages is None and env:
-            num_pages = int(env)
+        source = "num_pages"
+        if num_pages is None and knobs.get("DSA_NUM_PAGES") is not None:
+            num_pages, source = knobs.get("DSA_NUM_PAGES"), "DSA_NUM_PAGES"
         if num_pages is not None:
-            if num_pages < 2:
-                raise ValueError(f"num_pages={num_pages}: need at least 2 pages")
+            if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 2:
+                raise ValueError(f"{source}={num_pages!r}: need an int >= 2 pages")
+            self._check_fits(num_pages, source)
             return num_pages
         if self.device.type != "cuda":
+            self._check_fits(DEFAULT_CPU_PAGES, f"the CPU default of {DEFAULT_CPU_PAGES} pages (DSA_NUM_PAGES)")
             return DEFAULT_CPU_PAGES
-        fraction = fraction or float(os.environ.get("DSA_CACHE_FRACTION", DEFAULT_CACHE_FRACTION))
-        if not 0 < fraction < 1:
-            raise ValueError(f"cache fraction {fraction} must be in (0, 1)")
+        if fraction is None:
+            fraction = knobs.get("DSA_CACHE_FRACTION")
+        elif not 0 < fraction < 1:
+            raise ValueError(f"cache_fraction={fraction} must be in (0, 1)")
         free, _ = torch.cuda.mem_get_info(self.device)
         return PagePool.from_memory(free, fraction, self.engine.config.cache_bytes_per_token).num_pages
+
+    def _check_fits(self, num_pages: int, source: str) -> None:
+        """Refuse a pool larger than the memory that could hold it, before allocating it."""
+        need = num_pages * PAGE_SIZE * self.engine.config.cache_bytes_per_token
+        if self.device.type == "cuda":
+            avail, where = torch.cuda.mem_get_info(self.device)[0], f"free on {self.device}"
+        else:
+            avail, where = available_host_memory(), "available host memory (MemAvailable)"
+        if avail is not None and need > avail:
+            raise ValueError(
+                f"{source}: {num_pages:,} pages x {PAGE_SIZE} tokens x {self.engine.config.cache_bytes_per_token:,} "
+                f"B/token = {need / 2**30:,.2f} GiB of cache, but only {avail / 2**30:,.2f} GiB is {where}; "
+                f"lower it (at most {avail // (PAGE_SIZE * self.engine.config.cache_bytes_per_token):,} pages fit)"
+            )
 
     @property
     def tokens_that_fit(self) -> int:
@@ -134,7 +162,7 @@ class LLM:
                 self.scheduler.cancel(request_id)
             out = self._outputs.get(request_id)
             if out is not None and out.finish_reason is None:
-                out.finish_reason = "abort"
+                out.finish_reason = "cancelled"
 
     def has_unfinished(self) -> bool:
         with self._lock:
@@ -168,11 +196,14 @@ class LLM:
             return [self._advance(r, tok, logps[i] if logps else None) for i, (r, tok) in enumerate(zip(reqs, tokens))]
 
     def _abort_step(self, step) -> None:
-        """A failed engine step: abort its requests (their caches may be half written) and close the
-        step, so the scheduler keeps serving the others."""
+        """A failed engine step: end its requests with finish_reason "error" (their caches may be
+        half written) and close the step, so the scheduler keeps serving the others."""
         for s in step.seqs:
             if not s.request.finished:
-                self.cancel(s.request.request_id)
+                rid = s.request.request_id
+                self.scheduler.finish(rid, "error")
+                if rid in self._outputs:
+                    self._outputs[rid].finish_reason = "error"
         self.scheduler.update(step, [0] * len(step.sample_rows))  # every request in it is finished: no-op
 
     def _advance(self, req: Request, token: int, logprob: float | None) -> StepDelta:
@@ -224,3 +255,23 @@ class LLM:
                     return
         finally:
             self._outputs.pop(rid, None)
+
+
+def available_host_memory() -> int | None:
+    """Bytes the kernel reports as available (MemAvailable), or None where /proc/meminfo is absent."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _load_tokenizer(path: Path, model) -> Tokenizer:
+    try:
+        return Tokenizer(path, model.bos_token_id, model.eos_token_id)
+    except Exception as e:  # noqa: BLE001 - the tokenizers library raises bare Exceptions for bad files
+        raise ValueError(f"{path}: not a readable tokenizer.json ({e}); copy tokenizer.json from the "
+                         "checkpoint and rebuild the engine") from None

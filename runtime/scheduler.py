@@ -52,7 +52,7 @@ class Request:
     num_computed: int = 0  # tokens whose MLA + indexer entries are in the pages
     num_cached_tokens: int = 0  # prefix-cache hit at the latest admission
     num_preemptions: int = 0
-    finish_reason: str | None = None  # "stop", "length" or "abort"
+    finish_reason: str | None = None  # "stop", "length", "cancelled" or "error"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
 
     @property
@@ -117,10 +117,12 @@ class Scheduler:
         max_model_len: int,
         index_topk: int,
         eos_token_ids: Sequence[int] = (),
+        max_model_len_note: str = "",
     ) -> None:
         """max_num_tokens: token budget per step (when more requests decode than it allows, the
         oldest go first and the rest wait a step); index_topk: ModelConfig.index_topk (decides
-        StepInputs.dense_prefill); eos_token_ids: ModelConfig.eos_token_id."""
+        StepInputs.dense_prefill); eos_token_ids: ModelConfig.eos_token_id; max_model_len_note:
+        where max_model_len comes from (the limits it is the min of), for the refusal message."""
         limits = dict(
             max_num_tokens=max_num_tokens, max_num_seqs=max_num_seqs, max_model_len=max_model_len, index_topk=index_topk
         )
@@ -131,6 +133,7 @@ class Scheduler:
         self.max_num_tokens = max_num_tokens
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
+        self.max_model_len_note = max_model_len_note
         self.index_topk = index_topk
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Request] = deque()
@@ -155,9 +158,10 @@ class Scheduler:
         if n == 0:
             raise ValueError(f"request {request_id!r}: empty prompt")
         if n + params.max_tokens > self.max_model_len:
+            why = f" (the min of {self.max_model_len_note})" if self.max_model_len_note else ""
             raise ValueError(
                 f"request {request_id!r}: prompt ({n} tokens) + max_tokens ({params.max_tokens}) = "
-                f"{n + params.max_tokens} exceeds max_model_len {self.max_model_len}; "
+                f"{n + params.max_tokens} exceeds max_model_len {self.max_model_len}{why}; "
                 f"shorten the prompt or lower max_tokens"
             )
         if pages_for(n) > self.pool.num_pages:
@@ -195,7 +199,7 @@ class Scheduler:
         return req
 
     def cancel(self, request_id: str) -> Request:
-        return self.finish(request_id, "abort")
+        return self.finish(request_id, "cancelled")
 
     # ------------------------------------------------------------------ one step
     def schedule(self) -> ScheduledStep | None:

@@ -182,7 +182,7 @@ def test_cancel_frees_pages_running_waiting_and_in_flight():
     sched.add("wait", prompt(10, 8), SamplingParams(temperature=0, max_tokens=20))
     run_step(sched, engine)
     assert [r.request_id for r in sched.waiting] == ["wait"]  # max_num_seqs = 1
-    assert sched.cancel("wait").finish_reason == "abort"
+    assert sched.cancel("wait").finish_reason == "cancelled"
     step = sched.schedule()
     sched.cancel("run")  # while its step is in flight
     assert sched.update(step, torch.tensor([3])) == []

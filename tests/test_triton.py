@@ -41,9 +41,10 @@ LOAD_STREAMS = 8  # gRPC streams the load is spread over (25 requests in flight 
 LOAD_DEADLINE_S = 240.0
 REPO = Path(__file__).resolve().parent.parent
 RESULTS_HEADING = "## Triton load test (CPU)"
-GRPC_DTYPES = {"TYPE_STRING": "BYTES", "TYPE_INT32": "INT32", "TYPE_FP32": "FP32", "TYPE_UINT64": "UINT64",
-               "TYPE_BOOL": "BOOL"}
-NP_DTYPES = {"BYTES": np.object_, "INT32": np.int32, "FP32": np.float32, "UINT64": np.uint64, "BOOL": np.bool_}
+GRPC_DTYPES = {"TYPE_STRING": "BYTES", "TYPE_INT32": "INT32", "TYPE_INT64": "INT64", "TYPE_FP32": "FP32",
+               "TYPE_UINT64": "UINT64", "TYPE_BOOL": "BOOL"}
+NP_DTYPES = {"BYTES": np.object_, "INT32": np.int32, "INT64": np.int64, "FP32": np.float32, "UINT64": np.uint64,
+             "BOOL": np.bool_}
 
 
 def prompt(i: int) -> str:
@@ -251,7 +252,7 @@ def test_bad_grpc_requests_interleaved_with_good_ones(server, oracle):
         "undeclared input": ({"text_input": (np.array([[b"Hi"]], dtype=np.object_), "BYTES"),
                               "foo": (np.array([[1]], dtype=np.int32), "INT32")}, "unexpected inference input 'foo'"),
         "wrong dtype": ({"text_input": (np.array([[b"Hi"]], dtype=np.object_), "BYTES"),
-                         "max_tokens": (np.array([[8]], dtype=np.int64), "INT64")}, "expects 'INT32'"),
+                         "max_tokens": (np.array([[8]], dtype=np.int32), "INT32")}, "expects 'INT64'"),
         "negative temperature": ({}, "temperature=-1.0"),
     }
     try:
@@ -327,16 +328,16 @@ def write_results(line: str, out_dir: Path) -> Path:
 # ------------------------------------------------------------------------------------------ configs
 def test_schema_parses_and_names_problems():
     one = lambda v: np.array([[v]])  # noqa: E731 - the [batch, 1] shape Triton hands the model
-    p = parse_request({"text_input": np.array([[b"Hi"]], dtype=object), "max_tokens": one(np.int32(4)),
+    p = parse_request({"text_input": np.array([[b"Hi"]], dtype=object), "max_tokens": one(np.int64(4)),
                        "seed": one(np.uint64(7)), "stop_words": np.array([[b"a", b""]], dtype=object),
-                       "end_id": one(np.int32(3)), "stream": one(True)}, {"temperature": 0.5}, vocab_size=512)
+                       "end_id": one(np.int64(3)), "stream": one(True)}, {"temperature": 0.5}, vocab_size=512)
     assert (p.prompt, p.params.max_tokens, p.params.seed, p.params.stop, p.stream) == ("Hi", 4, 7, ["a"], True)
     assert p.params.stop_token_ids == [3] and p.params.ignore_eos and p.params.temperature == 0.5
     for tensors, params, msg in [
         ({}, {}, "text_input is missing"),
         ({"text_input": np.array([[b"a"], [b"b"]], dtype=object)}, {}, "batch size 1"),
-        ({"text_input": one(b"x"), "end_id": one(np.int32(9999))}, {}, "end_id=9999"),
-        ({"text_input": one(b"x"), "max_tokens": one(np.int32(2))}, {"max_tokens": 3}, "both as input"),
+        ({"text_input": one(b"x"), "end_id": one(np.int64(9999))}, {}, "end_id=9999"),
+        ({"text_input": one(b"x"), "max_tokens": one(np.int64(2))}, {"max_tokens": 3}, "both as input"),
         ({"text_input": one(b"x"), "return_log_probs": one(True)}, {}, "return_log_probs"),
         ({"text_input": one(b"x")}, {"top_k": 1.5}, "top_k must be an integer"),
         ({"text_input": one(b"x")}, {"temperature": "hot"}, "temperature must be a number"),
@@ -355,7 +356,7 @@ def test_python_model_config_text(tmp_path):
     assert cfg.backend == "python" and cfg.max_batch_size == 1 and cfg.model_transaction_policy.decoupled
     assert [i.name for i in cfg.input] == [f.name for f in INPUTS]
     assert [i.name for i in cfg.input if not i.optional] == ["text_input"]
-    assert {o.name for o in cfg.output} == {"text_output", "num_input_tokens", "num_output_tokens"}
+    assert {o.name for o in cfg.output} == {"text_output", "num_input_tokens", "num_output_tokens", "finish_reason"}
     assert cfg.parameters["engine_dir"].string_value == "/engines/x"
     assert cfg.parameters["num_pages"].string_value == "64"
 

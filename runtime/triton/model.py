@@ -45,6 +45,12 @@ class TritonPythonModel:
         self.vocab_size = self.engine.llm.model_config.vocab_size
         self.log = pb_utils.Logger
         llm = self.engine.llm
+        advertised = params.get("max_model_len")
+        if advertised and int(advertised) != llm.max_model_len:
+            self.engine.shutdown()
+            raise pb_utils.TritonModelException(
+                f"config.pbtxt advertises max_model_len {advertised} but the engine's pool holds {llm.max_model_len} "
+                f"({llm.limits}); rewrite the repository with write_model_repository (same num_pages)")
         self.log.log_info(f"dsa_trt: engine {params['engine_dir']} on {llm.device}, cache {llm.tokens_that_fit:,} "
                           f"tokens, max_model_len {llm.max_model_len}")
         self.loop = asyncio.new_event_loop()
@@ -64,12 +70,12 @@ class TritonPythonModel:
             self._send_error(sender, str(e))
             return
         try:
-            await self._generate(parsed, sender)
+            await self._generate(parsed, request, sender)
         except ValueError as e:  # refused by the runtime (prompt too long for the engine or the cache)
             self._send_error(sender, str(e))
         except Exception as e:  # noqa: BLE001 - an engine failure: this request's error response
             self.log.log_error(f"dsa_trt: request failed: {type(e).__name__}: {e}")
-            self._send_error(sender, f"{type(e).__name__}: {e}", "INTERNAL")
+            self._send_error(sender, f"finish_reason=error: {type(e).__name__}: {e}", "INTERNAL")
 
     def _send_error(self, sender, message: str, code: str = "INVALID_ARG") -> None:
         try:
@@ -83,33 +89,44 @@ class TritonPythonModel:
             parameters = json.loads(request.parameters() or "{}")
         except json.JSONDecodeError as e:
             raise self.schema.RequestError(f"request parameters are not JSON: {e}") from None
-        return self.schema.parse_request(tensors, parameters, vocab_size=self.vocab_size)
+        return self.schema.parse_request(tensors, parameters, vocab_size=self.vocab_size,
+                                         max_model_len=self.engine.llm.max_model_len)
 
-    async def _generate(self, parsed, sender) -> None:
+    async def _generate(self, parsed, request, sender) -> None:
         # Never ask a sender anything after its FINAL send: Triton 2.51 frees the response factory
         # then, and is_cancelled() on it crashes the server (TRITONBACKEND_ResponseFactoryIsCancelled).
         handle = self.engine.submit(parsed.prompt, parsed.params)
         prefix = "" if parsed.exclude_input_in_output else parsed.prompt
         text, cancelled = prefix, False
         async for d in handle:
-            if not cancelled and sender.is_cancelled():
+            # Asked every step, streaming or not: a client that hung up stops costing engine steps.
+            if not cancelled and self._cancelled(request, sender):
                 cancelled = True
-                handle.cancel()  # the stream then ends with an abort delta
+                handle.cancel()  # the stream then ends with a "cancelled" delta
             if cancelled:
                 continue
             if parsed.stream:
-                sender.send(self._response(parsed, prefix + d.text, d.num_prompt_tokens, len(d.token_ids)),
-                            flags=FINAL if d.finished else 0)
+                sender.send(self._response(parsed, prefix + d.text, d.num_prompt_tokens, len(d.token_ids),
+                                           d.finish_reason), flags=FINAL if d.finished else 0)
                 prefix = ""
             else:
                 text += d.text
                 if d.finished:
-                    sender.send(self._response(parsed, text, d.num_prompt_tokens, d.num_output_tokens), flags=FINAL)
+                    sender.send(self._response(parsed, text, d.num_prompt_tokens, d.num_output_tokens,
+                                               d.finish_reason), flags=FINAL)
         if cancelled:
-            self._send_error(sender, "request cancelled", "CANCELLED")
+            self._send_error(sender, "finish_reason=cancelled: request cancelled", "CANCELLED")
 
-    def _response(self, parsed, text: str, num_prompt: int, num_output: int):
-        outs = [pb_utils.Tensor("text_output", np.array([[text.encode("utf-8")]], dtype=np.object_))]
+    @staticmethod
+    def _cancelled(request, sender) -> bool:
+        if sender.is_cancelled():
+            return True
+        is_cancelled = getattr(request, "is_cancelled", None)  # python backends >= 23.10
+        return bool(is_cancelled and is_cancelled())
+
+    def _response(self, parsed, text: str, num_prompt: int, num_output: int, finish_reason: str | None):
+        outs = [pb_utils.Tensor("text_output", np.array([[text.encode("utf-8")]], dtype=np.object_)),
+                pb_utils.Tensor("finish_reason", np.array([[(finish_reason or "").encode()]], dtype=np.object_))]
         if parsed.return_num_input_tokens:
             outs.append(pb_utils.Tensor("num_input_tokens", np.array([[num_prompt]], dtype=np.int32)))
         if parsed.return_num_output_tokens:

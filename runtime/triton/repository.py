@@ -57,9 +57,14 @@ def _parameters(params: dict[str, str]) -> str:
 
 
 def python_model_config(name: str, engine_dir: Path, num_pages: int | None = None,
-                        site_packages: list[str] | None = None) -> str:
+                        site_packages: list[str] | None = None, max_model_len: int | None = None,
+                        launch_id: str | None = None) -> str:
     """config.pbtxt of the decoupled python model. max_batch_size 1: every request carries a batch
-    dimension of 1 (Triton's OpenAI frontend sends [[prompt]]) and Triton refuses larger ones."""
+    dimension of 1 (Triton's OpenAI frontend sends [[prompt]]) and Triton refuses larger ones.
+
+    max_model_len (advertised in the model's config, GET /v2/models/<name>/config): what one request
+    can hold, prompt + max_tokens; model.py refuses to load when its pool holds another number.
+    launch_id: lets the launcher tell its own server from another one on the same port."""
     params = {
         "engine_dir": str(engine_dir),
         # the stub runs the system libpython: model.py adds these (with their .pth files) to sys.path
@@ -67,6 +72,10 @@ def python_model_config(name: str, engine_dir: Path, num_pages: int | None = Non
     }
     if num_pages is not None:
         params["num_pages"] = str(num_pages)
+    if max_model_len is not None:
+        params["max_model_len"] = str(max_model_len)
+    if launch_id is not None:
+        params["launch_id"] = launch_id
     return (
         f"name: {_pbtxt_str(name)}\n"
         'backend: "python"\n'
@@ -124,8 +133,21 @@ def plugin_backend_args(engine_dir: Path, cfg: EngineConfig) -> list[str]:
     return [f"--backend-config=tensorrt,plugins={lib.resolve()}"]
 
 
+def expected_max_model_len(cfg: EngineConfig, num_pages: int | None) -> int | None:
+    """LLM.max_model_len for this engine and pool (None: a CUDA pool sized from free memory at load)."""
+    if num_pages is None:
+        from dsa_trt.runtime import knobs
+        from dsa_trt.runtime.llm import DEFAULT_CPU_PAGES
+
+        num_pages = knobs.get("DSA_NUM_PAGES") or (DEFAULT_CPU_PAGES if cfg.device != "cuda" else None)
+    if num_pages is None:
+        return None
+    return min(cfg.model.max_position_embeddings, cfg.max_pages_per_seq * PAGE_SIZE, num_pages * PAGE_SIZE)
+
+
 def write_model_repository(engine_dir: str | Path, repo_dir: str | Path, model_name: str = "dsa_trt",
-                           num_pages: int | None = None, site_packages: list[str] | None = None) -> ModelRepository:
+                           num_pages: int | None = None, site_packages: list[str] | None = None,
+                           launch_id: str | None = None) -> ModelRepository:
     """Write (or overwrite) the models of ``engine_dir`` into ``repo_dir``; returns what was written
     and the tritonserver arguments it needs."""
     engine_dir = Path(engine_dir).resolve()
@@ -134,7 +156,8 @@ def write_model_repository(engine_dir: str | Path, repo_dir: str | Path, model_n
     if cfg.tp_size != 1:
         raise EngineDirError(f"{engine_dir}: tp_size {cfg.tp_size}; the Triton model serves tp=1 engines only")
     repo.mkdir(parents=True, exist_ok=True)
-    _write_model(repo / model_name, python_model_config(model_name, engine_dir, num_pages, site_packages))
+    _write_model(repo / model_name, python_model_config(model_name, engine_dir, num_pages, site_packages,
+                                                        expected_max_model_len(cfg, num_pages), launch_id))
     shutil.copy(MODEL_PY, repo / model_name / "1" / "model.py")
     written = ModelRepository(repo, [model_name])
     if cfg.compiler == "tensorrt":

@@ -17,6 +17,7 @@ import numpy as np
 from dsa_trt.runtime.sampling import SamplingParams
 
 DEFAULT_MAX_TOKENS = 16
+INT64_MAX = 2**63 - 1
 
 
 class RequestError(ValueError):
@@ -32,25 +33,28 @@ class Field:
     doc: str = ""
 
 
-# Same names and types as TensorRT-LLM's tensorrt_llm_bls config, plus `seed` (what Triton's OpenAI
-# frontend sends to TRT-LLM models) and the two token-count flags of the frontend.
+# Same names as TensorRT-LLM's tensorrt_llm_bls config, plus `seed` (what Triton's OpenAI frontend
+# sends to TRT-LLM models) and the two token-count flags of the frontend. Integer fields are INT64,
+# not TRT-LLM's INT32: Triton's HTTP generate endpoint narrows a JSON integer to the declared type
+# by wrapping (4294967300 -> 4, 2**31 -> -2**31) before the model sees it, so only a 64-bit input
+# lets the model range-check what the client sent. gRPC clients send INT64 tensors for them.
 INPUTS: tuple[Field, ...] = (
     Field("text_input", "TYPE_STRING", optional=False, doc="the prompt, UTF-8"),
-    Field("max_tokens", "TYPE_INT32", doc=f"tokens to generate, >= 1 (default {DEFAULT_MAX_TOKENS})"),
+    Field("max_tokens", "TYPE_INT64", doc=f"tokens to generate, >= 1 (default {DEFAULT_MAX_TOKENS})"),
     Field("stream", "TYPE_BOOL", doc="one response per step (default false: one response)"),
     Field("temperature", "TYPE_FP32", doc=">= 0, 0 = greedy (default 1)"),
-    Field("top_k", "TYPE_INT32", doc=">= 0, 0 = off"),
+    Field("top_k", "TYPE_INT64", doc=">= 0, 0 = off"),
     Field("top_p", "TYPE_FP32", doc="in (0, 1], 1 = off"),
     Field("random_seed", "TYPE_UINT64", doc="per-request sampling seed (TRT-LLM name)"),
     Field("seed", "TYPE_UINT64", doc="alias of random_seed (Triton OpenAI frontend name)"),
     Field("stop_words", "TYPE_STRING", (-1,), doc="stop strings, one per element (not comma-split)"),
     Field("bad_words", "TYPE_STRING", (-1,), doc="refused when non-empty: no banned-token mask"),
-    Field("end_id", "TYPE_INT32", doc="stop token replacing the model's EOS"),
-    Field("pad_id", "TYPE_INT32", doc="accepted, unused: outputs are never padded"),
+    Field("end_id", "TYPE_INT64", doc="stop token replacing the model's EOS"),
+    Field("pad_id", "TYPE_INT64", doc="accepted, unused: outputs are never padded"),
     Field("repetition_penalty", "TYPE_FP32", doc="> 0, 1 = off"),
     Field("presence_penalty", "TYPE_FP32", doc="in [-2, 2], 0 = off"),
     Field("frequency_penalty", "TYPE_FP32", doc="in [-2, 2], 0 = off"),
-    Field("beam_width", "TYPE_INT32", doc="must be 1 (no beam search)"),
+    Field("beam_width", "TYPE_INT64", doc="must be 1 (no beam search)"),
     Field("return_log_probs", "TYPE_BOOL", doc="must be false (log probabilities are not returned)"),
     Field("exclude_input_in_output", "TYPE_BOOL", doc="default true; false: text_output starts with the prompt"),
     Field("return_num_input_tokens", "TYPE_BOOL", doc="add num_input_tokens to the responses"),
@@ -60,6 +64,8 @@ OUTPUTS: tuple[Field, ...] = (
     Field("text_output", "TYPE_STRING", (-1,), doc="generated text (streaming: this response's piece)"),
     Field("num_input_tokens", "TYPE_INT32", doc="prompt tokens, BOS included"),
     Field("num_output_tokens", "TYPE_INT32", doc="tokens in this response (streaming) or in all"),
+    Field("finish_reason", "TYPE_STRING", doc="stop | length | cancelled | error on the last response; "
+          "empty on the streamed pieces before it"),
 )
 INPUT_NAMES = frozenset(f.name for f in INPUTS)
 _TYPES = {f.name: f.data_type for f in INPUTS}
@@ -76,9 +82,10 @@ class ParsedRequest:
 
 
 def parse_request(tensors: dict[str, np.ndarray], parameters: dict | None = None, vocab_size: int | None = None,
-                  default_max_tokens: int = DEFAULT_MAX_TOKENS) -> ParsedRequest:
+                  default_max_tokens: int = DEFAULT_MAX_TOKENS, max_model_len: int | None = None) -> ParsedRequest:
     """Validate one request's inputs (name -> numpy array) and request parameters; RequestError names
-    the first field that is wrong, or every unknown one."""
+    the first field that is wrong, or every unknown one. Integers are checked as received (64-bit
+    inputs, unbounded JSON parameters) before any narrowing."""
     parameters = dict(parameters or {})
     unknown = sorted(set(tensors) - INPUT_NAMES) + sorted(set(parameters) - INPUT_NAMES)
     if unknown:
@@ -117,11 +124,20 @@ def parse_request(tensors: dict[str, np.ndarray], parameters: dict | None = None
     end_id = scalar("end_id", int)
     if end_id is not None and not (0 <= end_id < (vocab_size or 2**31)):
         raise RequestError(f"end_id={end_id} is not a token id (vocabulary of {vocab_size})")
-    scalar("pad_id", int)  # validated, unused
+    pad_id = scalar("pad_id", int)  # validated, unused
+    if pad_id is not None and not (0 <= pad_id < (vocab_size or 2**31)):
+        raise RequestError(f"pad_id={pad_id} is not a token id (vocabulary of {vocab_size})")
+    max_tokens = scalar("max_tokens", int, default_max_tokens)
+    if max_model_len is not None and max_tokens > max_model_len:
+        raise RequestError(f"max_tokens={max_tokens} exceeds max_model_len {max_model_len} (prompt and output "
+                           "together); lower max_tokens")
+    top_k = scalar("top_k", int)
+    if top_k is not None and vocab_size is not None and top_k > vocab_size:
+        raise RequestError(f"top_k={top_k} exceeds the vocabulary ({vocab_size} tokens); 0 = off")
     stop = [s for s in (_convert("stop_words", w, str) for w in values.get("stop_words", [])) if s]
     sampling = dict(
-        temperature=scalar("temperature", float), top_k=scalar("top_k", int), top_p=scalar("top_p", float),
-        max_tokens=scalar("max_tokens", int, default_max_tokens), seed=seed if seed is not None else alias,
+        temperature=scalar("temperature", float), top_k=top_k, top_p=scalar("top_p", float),
+        max_tokens=max_tokens, seed=seed if seed is not None else alias,
         repetition_penalty=scalar("repetition_penalty", float), presence_penalty=scalar("presence_penalty", float),
         frequency_penalty=scalar("frequency_penalty", float),
     )
@@ -161,7 +177,14 @@ def _convert(name: str, v, kind: type):
     if kind is int:
         if isinstance(v, (float, np.floating)) and not float(v).is_integer():
             raise RequestError(f"{name} must be an integer, got {v!r}")
-        return int(v)
+        if isinstance(v, (float, np.floating)) and not math.isfinite(v):
+            raise RequestError(f"{name} must be finite, got {v!r}")
+        i = int(v)
+        lo = 0 if _TYPES[name] == "TYPE_UINT64" else -INT64_MAX - 1
+        hi = 2 * INT64_MAX + 1 if _TYPES[name] == "TYPE_UINT64" else INT64_MAX
+        if not lo <= i <= hi:
+            raise RequestError(f"{name}={i} is out of range for {_TYPES[name][5:]} [{lo}, {hi}]")
+        return i
     f = float(v)
     if not math.isfinite(f):
         raise RequestError(f"{name} must be finite, got {f}")

@@ -9,8 +9,11 @@ adds this venv's site-packages itself (the repository's config names them).
 
 from __future__ import annotations
 
+import errno
+import json
 import os
 import shutil
+import socket
 import signal
 import subprocess
 import sys
@@ -78,6 +81,8 @@ class TritonServer:
     metrics_port: int
     address: str = "127.0.0.1"
     log_path: Path | None = None  # None: <work_dir>/tritonserver.log
+    model: str | None = None  # with launch_id: wait_ready checks that the ready server is this one
+    launch_id: str | None = None  # the model config's launch_id parameter (write_model_repository)
     inherit_output: bool = False  # True: the server logs to this process's stdout/stderr (the CLI)
     extra_args: list[str] = field(default_factory=list)
     process: subprocess.Popen | None = None
@@ -108,7 +113,22 @@ class TritonServer:
             *self.extra_args,
         ]
 
+    def check_ports(self) -> None:
+        """Refuse ports another process holds, before starting anything (tritonserver would start,
+        fail to bind one of them, and another server could answer our readiness probe)."""
+        for what, port in (("--http-port", self.http_port), ("--grpc-port", self.grpc_port),
+                           ("--metrics-port", self.metrics_port)):
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # TIME_WAIT leftovers are no conflict
+                try:
+                    s.bind((self.address, port))
+                except OSError as e:
+                    why = "is in use by another process" if e.errno == errno.EADDRINUSE else f"cannot be bound ({e})"
+                    raise ServerError(f"{what} {port} on {self.address} {why}; stop that process or choose "
+                                      f"another port ({what} N)") from None
+
     def start(self, work_dir: Path) -> "TritonServer":
+        self.check_ports()
         backends = prepare_backends(Path(work_dir))
         env = dict(os.environ)
         env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (str(server_libs()), env.get("LD_LIBRARY_PATH")) if p)
@@ -134,12 +154,45 @@ class TritonServer:
                 raise ServerError(f"tritonserver exited ({self.returncode()}) before it was ready:\n{self.log_tail()}")
             try:
                 with urllib.request.urlopen(url, timeout=2) as r:
-                    if r.status == 200:
+                    if r.status == 200 and self._is_ours():
                         return
             except OSError:
                 pass
             time.sleep(0.5)
         raise ServerError(f"tritonserver not ready after {timeout:.0f} s:\n{self.log_tail()}")
+
+    def _is_ours(self) -> bool:
+        if self.model is None or self.launch_id is None:
+            return True
+        url = f"http://{self.http_url}/v2/models/{self.model}/config"
+        with urllib.request.urlopen(url, timeout=2) as r:
+            params = json.loads(r.read()).get("parameters", {})
+        if params.get("launch_id", {}).get("string_value") != self.launch_id:
+            raise ServerError(f"another tritonserver answers on {self.http_url} (its {self.model} model is not the one "
+                              "this launch wrote); stop it or choose other ports")
+        return True
+
+    def backend_stubs(self) -> list[int]:
+        """Pids of the python-backend stub processes of this server."""
+        return [] if self.process is None else backend_stub_pids(self.process.pid)
+
+    def supervise(self, poll_s: float = 1.0, stop_event=None) -> str:
+        """Block while the server and its backend stubs live; returns why serving stopped.
+
+        Triton 2.51 keeps answering /v2/health/ready 200 after a stub process dies, while every
+        request to that model fails: this watch turns that into a stopped server and a clear error."""
+        stubs = set(self.backend_stubs())
+        while stop_event is None or not stop_event.is_set():
+            code = self.returncode()
+            if code is not None:
+                return f"tritonserver exited with status {code}"
+            dead = [p for p in stubs if not Path(f"/proc/{p}").exists() or _is_zombie(p)]
+            if dead:
+                return (f"the python backend stub process (pid {', '.join(map(str, dead))}) died: the model cannot "
+                        "serve; stopping tritonserver (see its log for the cause, then start `dsa-trt serve` again)")
+            stubs |= set(self.backend_stubs())
+            time.sleep(poll_s)
+        return "stopped"
 
     def returncode(self) -> int | None:
         return None if self.process is None else self.process.poll()
@@ -165,6 +218,29 @@ class TritonServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def backend_stub_pids(server_pid: int) -> list[int]:
+    """Pids of the python-backend stubs that tritonserver ``server_pid`` started (from /proc)."""
+    pids = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text()
+            cmd = (d / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == server_pid and b"triton_python_backend_stub" in cmd:
+            pids.append(int(d.name))
+    return sorted(pids)
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
 
 
 def free_ports(n: int, address: str = "127.0.0.1") -> list[int]:
