@@ -29,6 +29,7 @@ from dsa_trt.engine_config import EngineConfig, write_manifest
 from dsa_trt.export.checkpoint import Checkpoint, CheckpointError
 from dsa_trt.export.program import build_network, export_program
 from dsa_trt.export.sharding import check_tp
+from dsa_trt.plan import check_fits
 from dsa_trt.tokenizer import Tokenizer
 
 from .aoti import PackageLinkError, compile_package
@@ -113,7 +114,8 @@ def compile_program(ep, onnx_ep, out: Path, name: str, compiler: str, emit_onnx:
 def build_engine(checkpoint: str | Path, out: str | Path, tp: int = 1, cache_mode: str = "fp8",
                  compiler: str = "auto", device: str | None = None, dtype: str | None = None,
                  calib_file: str | Path | None = None, max_num_tokens: int = 8192,
-                 emit_onnx: bool = False, kv_calibration: str | Path | None = None) -> EngineConfig:
+                 emit_onnx: bool = False, kv_calibration: str | Path | None = None,
+                 gpu_memory_gb: float | None = None) -> EngineConfig:
     t0 = time.perf_counter()
     out = Path(out)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -136,6 +138,10 @@ def build_engine(checkpoint: str | Path, out: str | Path, tp: int = 1, cache_mod
     except Exception as e:  # noqa: BLE001 - the tokenizers library raises bare Exceptions
         raise BuildError(f"{ckpt.tokenizer_path}: not a readable tokenizer.json ({e}); copy it again from the "
                          "original model repository") from None
+    if gpu_memory_gb is not None:  # refuse before any work a layout whose ranks cannot hold weights + a step's cache
+        plan = check_fits(cfg, tp, tp, gpu_memory_gb, cache_mode=cache_mode, min_cache_tokens=max_num_tokens)
+        _log(f"plan fits: {plan.ranks[0].weight_bytes / 1e9:.1f} GB of weights per rank, "
+             f"{plan.tokens_per_group:,} cache tokens in {gpu_memory_gb:g} GB", t0)
     _log(f"checkpoint {checkpoint}: {cfg.model_type}, {cfg.num_hidden_layers} layers, validated", t0)
 
     kv_scales = [1.0] * cfg.num_hidden_layers
@@ -250,10 +256,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="most tokens one step may hold (the exported programs' dynamic-shape bound)")
     ap.add_argument("--emit-onnx", action="store_true",
                     help="also write onnx/rank<N>[.dense].onnx: the TensorRT graphs with plugin nodes (any machine)")
+    ap.add_argument("--gpu-memory-gb", type=float, default=None,
+                    help="refuse a --tp whose ranks cannot hold their weights and one step of cache (dsa-trt plan)")
     a = ap.parse_args(argv)
     try:
         build_engine(a.checkpoint, a.out, a.tp, a.cache, a.compiler, a.device, a.dtype, a.calib_file, a.max_num_tokens,
-                     emit_onnx=a.emit_onnx, kv_calibration=a.kv_calibration)
+                     emit_onnx=a.emit_onnx, kv_calibration=a.kv_calibration, gpu_memory_gb=a.gpu_memory_gb)
     except (BuildError, CalibrationError, CheckpointError, ConfigError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -11,6 +11,11 @@ as ``model.layers.3``, several shards plus an index, and a byte-level BPE tokeni
 there, §7.3): the HF oracle for the tests, with exactly the same weights.
 
     python -m dsa_trt.export.tiny_checkpoint OUT_DIR [--seed N] [--model-type glm_moe_dsa]
+
+The ``v32-real-dims`` preset (export/real_dims.py) writes V3.2's real per-layer dims with random
+weights instead, streamed one tensor at a time:
+
+    python -m dsa_trt.export.tiny_checkpoint OUT_DIR --preset v32-real-dims --layers 2 --experts 8
 """
 
 from __future__ import annotations
@@ -324,14 +329,39 @@ def _write_json(path: Path, obj: dict) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
+PRESETS = ("tiny", "v32-real-dims")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--model-type", choices=MODEL_TYPES, default="deepseek_v32")
+    parser.add_argument("--preset", choices=PRESETS, default="tiny",
+                        help="tiny: MODEL.md 7.1 (the tests' checkpoint); v32-real-dims: V3.2's real layer dims")
+    real = parser.add_argument_group("v32-real-dims options")
+    real.add_argument("--layers", type=int, default=None, help="decoder layers (default 2)")
+    real.add_argument("--experts", type=int, default=None, help="routed experts per MoE layer (default 256)")
+    real.add_argument("--dense-layers", type=int, default=None, help="leading dense-MLP layers (default 1)")
+    real.add_argument("--vocab-size", type=int, default=None, help="default 129280")
+    real.add_argument("--mtp-layers", type=int, default=None, help="MTP layers stored after the last (default 0)")
     args = parser.parse_args(argv)
-    out = write_tiny_checkpoint(args.out_dir, seed=args.seed, model_type=args.model_type)
-    print(out)
+    overrides = {k: v for k in ("layers", "experts", "dense_layers", "vocab_size", "mtp_layers")
+                 if (v := getattr(args, k)) is not None}
+    if args.preset == "tiny":
+        if overrides:
+            parser.error(f"--{', --'.join(k.replace('_', '-') for k in overrides)}: only with --preset v32-real-dims")
+        print(write_tiny_checkpoint(args.out_dir, seed=args.seed, model_type=args.model_type))
+        return
+    if args.model_type != "deepseek_v32":
+        parser.error("--preset v32-real-dims writes a deepseek_v32 checkpoint; drop --model-type")
+    from .real_dims import write_real_dims_checkpoint
+
+    try:
+        stats = write_real_dims_checkpoint(args.out_dir, seed=args.seed, **overrides)
+    except ValueError as e:
+        parser.error(str(e))
+    print(stats.summary())
 
 
 if __name__ == "__main__":

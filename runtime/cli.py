@@ -161,6 +161,42 @@ def _bench(a: argparse.Namespace) -> int:
     return 0
 
 
+def _plan(a: argparse.Namespace) -> int:
+    """Whether and how a model fits before anything is built (dsa_trt/plan.py); exit 1 when it does not."""
+    import json
+
+    from dsa_trt.plan import format_plan, load_config, make_plan
+
+    plan = make_plan(load_config(a.model), a.tp, a.ep, a.gpu_memory_gb, batch=a.batch, cache_mode=a.cache,
+                     weights=a.weights, vocab_split=a.vocab_split, include_mtp=a.mtp, reserve_gb=a.reserve_gb,
+                     min_cache_tokens=a.min_cache_tokens)
+    print(json.dumps(plan.to_dict(), indent=2) if a.json else format_plan(plan))
+    return 0 if plan.fits else 1
+
+
+def _add_plan_parser(sub) -> None:
+    from dsa_trt.plan import CACHE_MODES, DEFAULT_MIN_CACHE_TOKENS, DEFAULT_RESERVE_GB, WEIGHT_MODES
+
+    p = sub.add_parser("plan", help="per-rank weights, cache and context of a parallel layout, before building",
+                       formatter_class=_HelpFormatter)
+    p.add_argument("model", help="checkpoint directory or a config.json")
+    p.add_argument("--tp", type=int, default=1, help="attention heads / dense MLP split over N ranks")
+    p.add_argument("--ep", type=int, default=None, help="routed experts split over N ranks (default: --tp)")
+    p.add_argument("--gpu-memory-gb", type=float, required=True, help="memory per GPU, decimal GB")
+    p.add_argument("--batch", type=int, default=1, help="sequences for the longest-context column")
+    p.add_argument("--cache", choices=CACHE_MODES, default="fp8")
+    p.add_argument("--weights", choices=WEIGHT_MODES, default="stored",
+                   help="stored: as the checkpoint keeps them (fp8 blocks stay fp8); bf16: dequantised")
+    p.add_argument("--vocab-split", action="store_true", help="split embed/lm_head rows over tp (default: replicated)")
+    p.add_argument("--mtp", action="store_true", help="count the MTP layer too")
+    p.add_argument("--reserve-gb", type=float, default=DEFAULT_RESERVE_GB,
+                   help="per rank: activations, workspace, CUDA graphs, NCCL")
+    p.add_argument("--min-cache-tokens", type=int, default=DEFAULT_MIN_CACHE_TOKENS,
+                   help="a rank fits when its cache holds at least this many tokens")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON (ranks[].weight_bytes, fits, ...)")
+    p.set_defaults(fn=_plan)
+
+
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """--help shows each flag's default, unless its help states it or it has none."""
 
@@ -177,7 +213,7 @@ _SAMPLING = SamplingParams()
 
 
 def parser() -> argparse.ArgumentParser:
-    """The `dsa-trt` argument parser: subcommands generate, serve and bench."""
+    """The `dsa-trt` argument parser: subcommands generate, serve, bench and plan."""
     ap = argparse.ArgumentParser(prog="dsa-trt", formatter_class=_HelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
     g = sub.add_parser("generate", help="generate completions for prompts", formatter_class=_HelpFormatter)
@@ -213,6 +249,7 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--seed", type=int, default=0, help="seed of the random prompts; prompt i samples with seed + i")
     b.add_argument("--num-pages", type=int, default=None, help="cache pages (default: DSA_NUM_PAGES or sized)")
     b.set_defaults(fn=_bench)
+    _add_plan_parser(sub)
     return ap
 
 
