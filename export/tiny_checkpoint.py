@@ -16,6 +16,9 @@ The ``v32-real-dims`` preset (export/real_dims.py) writes V3.2's real per-layer 
 weights instead, streamed one tensor at a time:
 
     python -m dsa_trt.export.tiny_checkpoint OUT_DIR --preset v32-real-dims --layers 2 --experts 8
+
+``write_trained_checkpoint`` (``--trained``) writes the same format with the weights trained on
+the corpus by ``export/train_tiny.py`` (committed as ``data/tiny_trained.safetensors``) instead.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from dsa_trt.config import ModelConfig
@@ -46,6 +49,7 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
 CORPUS_PATH = Path(__file__).parent / "data" / "corpus.txt"
+TRAINED_WEIGHTS_PATH = Path(__file__).parent / "data" / "tiny_trained.safetensors"  # by export/train_tiny.py
 BOS_TOKEN = "<｜begin▁of▁sentence｜>"
 EOS_TOKEN = "<｜end▁of▁sentence｜>"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
@@ -237,6 +241,49 @@ def write_tiny_checkpoint(out_dir: str | Path, seed: int = 0, model_type: str = 
     return out_dir
 
 
+def write_trained_checkpoint(out_dir: str | Path, weights: str | Path = TRAINED_WEIGHTS_PATH) -> Path:
+    """Write the trained tiny V3.2 checkpoint (``export/train_tiny.py``'s weights) to ``out_dir``.
+
+    ``weights`` holds the checkpoint's own tensors (fp8 + block scales, bf16/fp32 for the rest)
+    without the MTP layer's copies of the embedding and head, which are restored here."""
+    out_dir, weights = Path(out_dir), Path(weights)
+    if not weights.is_file():
+        raise FileNotFoundError(
+            f"trained weights {weights} not found: run `python -m dsa_trt.export.train_tiny --out {weights}`"
+        )
+    config = tiny_config_dict("deepseek_v32", quantized=True)
+    cfg = ModelConfig.from_hf_dict(config)
+    tensors = load_file(str(weights))
+    tensors.update({n: t.clone() for n, t in mtp_shared_copies(tensors, cfg.num_hidden_layers).items()})
+    specs = expected_tensors(cfg)
+    problems = [f"missing {n}" for n in sorted(set(specs) - set(tensors))]
+    problems += [f"unexpected {n}" for n in sorted(set(tensors) - set(specs))]
+    problems += [
+        f"{n}: {tuple(t.shape)} {t.dtype}, expected {specs[n].shape} {specs[n].dtypes[0]}"
+        for n, t in sorted(tensors.items())
+        if n in specs and (tuple(t.shape) != specs[n].shape or t.dtype != specs[n].dtypes[0])
+    ]
+    if problems:
+        raise ValueError(
+            f"{weights} does not fit the tiny V3.2 layout ({'; '.join(problems[:5])}"
+            f"{'; ...' if len(problems) > 5 else ''}): regenerate it with `python -m dsa_trt.export.train_tiny`"
+        )
+    out_dir.mkdir(parents=True, exist_ok=True)
+    _write_json(out_dir / "config.json", config)
+    write_shards(tensors, out_dir)
+    write_tokenizer(out_dir)
+    return out_dir
+
+
+def mtp_shared_copies(tensors: dict[str, torch.Tensor], num_hidden_layers: int) -> dict[str, torch.Tensor]:
+    """The MTP layer's embed_tokens / shared_head.head: the main embedding and lm_head (§5)."""
+    p = f"model.layers.{num_hidden_layers}."
+    return {
+        p + "embed_tokens.weight": tensors["model.embed_tokens.weight"],
+        p + "shared_head.head.weight": tensors["lm_head.weight"],
+    }
+
+
 def write_dequantized_hf_copy(src_dir: str | Path, dst_dir: str | Path) -> Path:
     """A bf16 copy of an fp8 checkpoint for ``from_pretrained`` on CPU (the HF oracle).
 
@@ -345,9 +392,17 @@ def main(argv: list[str] | None = None) -> None:
     real.add_argument("--dense-layers", type=int, default=None, help="leading dense-MLP layers (default 1)")
     real.add_argument("--vocab-size", type=int, default=None, help="default 129280")
     real.add_argument("--mtp-layers", type=int, default=None, help="MTP layers stored after the last (default 0)")
+    parser.add_argument(
+        "--trained", action="store_true", help=f"the weights trained on the corpus ({TRAINED_WEIGHTS_PATH.name})"
+    )
     args = parser.parse_args(argv)
     overrides = {k: v for k in ("layers", "experts", "dense_layers", "vocab_size", "mtp_layers")
                  if (v := getattr(args, k)) is not None}
+    if args.trained:
+        if args.model_type != "deepseek_v32" or args.seed != 0 or args.preset != "tiny":
+            parser.error("--trained writes the committed deepseek_v32 weights: drop --seed / --model-type / --preset")
+        print(write_trained_checkpoint(args.out_dir))
+        return
     if args.preset == "tiny":
         if overrides:
             parser.error(f"--{', --'.join(k.replace('_', '-') for k in overrides)}: only with --preset v32-real-dims")

@@ -1,0 +1,556 @@
+"""Train the embedded tiny DeepSeek-V3.2 on ``data/corpus.txt``: main model, indexer and MTP layer.
+
+A deterministic CPU run (one thread, seeded, ``torch.use_deterministic_algorithms``) of the
+MODEL.md §7.1 config, using transformers' ``DeepseekV32ForCausalLM`` (fp32, eager attention) as
+the trainable main model and :class:`MTPLayer` (HF's decoder layer plus the §5 extras) for the
+next-n layer. Three objectives, each training only its own parameters:
+
+- the main model: next-token cross-entropy;
+- every indexer (main layers and MTP layer): the V3.2 report's KL objective, KL(p_t || softmax(I_t))
+  with p_t the layer's attention distribution summed over heads and L1-normalised, the indexer
+  fed detached inputs (the main model gets no gradient from it). Dense warm-up first (top-k off,
+  p over all causal keys), then sparse steps (top-k = 16 on, the KL restricted to the selected
+  keys, as in the report's second stage), in which the main model adapts to its own selection;
+- the MTP layer: next-next-token cross-entropy on detached main-model hidden states (after the
+  final norm), embedding and head (shared with the main model, copied into the checkpoint).
+
+Routed experts are balanced the DeepSeek-V3 way (auxiliary-loss free): after each step every
+router's ``e_score_correction_bias`` moves by a fixed step towards equal load.
+
+The result is written as the checkpoint's own tensors (fp8 e4m3 Linears + power-of-two block
+scales, bf16/fp32 for the rest, exactly what ``write_tiny_checkpoint`` stores) minus the MTP
+layer's copies of the embedding and head, to ``data/tiny_trained.safetensors``;
+``python -m dsa_trt.export.tiny_checkpoint OUT --trained`` turns it into a checkpoint.
+
+    python -m dsa_trt.export.train_tiny [--out PATH] [--steps N] [--seed N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import math
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dsa_trt.config import ModelConfig
+from dsa_trt.export.checkpoint import FP8, SCALE_SUFFIX, Checkpoint, expected_tensors, quantize_fp8_blockwise
+from dsa_trt.export.tiny_checkpoint import (
+    CORPUS_PATH,
+    TRAINED_WEIGHTS_PATH,
+    mtp_shared_copies,
+    tiny_config_dict,
+    tiny_hf_config,
+    train_tokenizer,
+    write_dequantized_hf_copy,
+    write_tiny_checkpoint,
+    write_trained_checkpoint,
+)
+
+HOLDOUT_EVERY = 10  # every 10th non-empty corpus line is held out for evaluation
+EVAL_MAX_TOKENS = 128  # held-out lines are scored on their first 128 tokens (the training length)
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """Every knob of the run; the committed weights come from the defaults."""
+
+    seed: int = 0
+    steps: int = 150
+    dense_steps: int = 100  # indexer warm-up with top-k off; the rest trains with top-k on
+    batch: int = 4
+    seq_len: int = 128  # tokens after BOS per window
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 20
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    bias_update_speed: float = 1e-3  # DeepSeek-V3's gamma for the expert-balancing bias
+    log_every: int = 20
+
+
+# ----------------------------------------------------------------------------- the data
+def corpus_split(corpus: Path = CORPUS_PATH) -> tuple[str, list[str]]:
+    """(training text, held-out lines): every HOLDOUT_EVERY-th non-empty line is held out; the
+    rest keeps the file's line structure (blank lines between paragraphs)."""
+    lines = corpus.read_text(encoding="utf-8").splitlines()
+    train, held_out, nonempty = [], [], 0
+    for line in lines:
+        if line.strip():
+            nonempty += 1
+            if nonempty % HOLDOUT_EVERY == 0:
+                held_out.append(line)
+                continue
+        train.append(line)
+    return "\n".join(train), held_out
+
+
+def sample_windows(stream: torch.Tensor, batch: int, length: int, generator: torch.Generator) -> torch.Tensor:
+    """[batch, 1 + length + 1]: BOS, then length + 1 consecutive tokens from a random offset
+    (one more than the main model reads, for the MTP layer's next-next target)."""
+    offsets = torch.randint(0, stream.numel() - length - 1, (batch,), generator=generator)
+    rows = [stream[o : o + length + 1] for o in offsets.tolist()]
+    bos = torch.zeros(batch, 1, dtype=torch.long)  # BOS id 0 (tiny_checkpoint.TINY_CONFIG)
+    return torch.cat([bos, torch.stack(rows)], dim=1)
+
+
+# ----------------------------------------------------------------------------- the MTP layer
+class MTPLayer(nn.Module):
+    """MODEL.md §5: z = block(eh_proj([enorm(e) ; hnorm(h)])), logits = head(shared_head.norm(z)).
+
+    ``block`` is HF's DeepseekV32DecoderLayer (its own DSA attention and indexer, MoE FFN); the
+    embedding and head are the main model's (passed in, not owned). Engines zero the embedding at
+    position 0 (§5 step 1), so training does too."""
+
+    def __init__(self, hf_config, block: nn.Module) -> None:
+        super().__init__()
+        from transformers.models.deepseek_v32.modeling_deepseek_v32 import DeepseekV32RMSNorm
+
+        d, eps = hf_config.hidden_size, hf_config.rms_norm_eps
+        self.enorm = DeepseekV32RMSNorm(d, eps)
+        self.hnorm = DeepseekV32RMSNorm(d, eps)
+        self.eh_proj = nn.Linear(2 * d, d, bias=False)
+        nn.init.normal_(self.eh_proj.weight, std=hf_config.initializer_range)
+        self.block = block
+        self.shared_head_norm = DeepseekV32RMSNorm(d, eps)
+
+    def forward(
+        self, embeds: torch.Tensor, hidden: torch.Tensor, head: torch.Tensor, position_ids: torch.Tensor, **layer_kwargs
+    ) -> torch.Tensor:
+        """embeds: Embed(t_{i+1}) [B, S, D]; hidden: main h_i after the final norm [B, S, D];
+        head: lm_head weight [V, D]. Returns the logits of t_{i+2} [B, S, V]."""
+        embeds = embeds.masked_fill((position_ids == 0)[..., None], 0.0)
+        z = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden)], dim=-1))
+        z = self.block(z, position_ids=position_ids, **layer_kwargs)
+        return F.linear(self.shared_head_norm(z), head)
+
+
+# Checkpoint name (after "model.layers.{L}.") -> MTPLayer parameter name, for the non-block extras.
+MTP_EXTRA_NAMES = {
+    "enorm.weight": "enorm.weight",
+    "hnorm.weight": "hnorm.weight",
+    "eh_proj.weight": "eh_proj.weight",
+    "shared_head.norm.weight": "shared_head_norm.weight",
+}
+
+
+def build_models(seed: int):
+    """(main model, MTP layer), HF's own initialisation under ``seed``; eager attention so that
+    the attention probabilities (the indexer's target) are returned."""
+    from transformers import DeepseekV32ForCausalLM
+
+    torch.manual_seed(seed)
+    config = tiny_hf_config()
+    config._attn_implementation = "eager"
+    main = DeepseekV32ForCausalLM(config)
+    # The MTP block is layer num_hidden_layers of a model one layer deeper (MoE, own layer_idx).
+    mtp_config = tiny_hf_config(num_hidden_layers=config.num_hidden_layers + 1)
+    mtp_config._attn_implementation = "eager"
+    donor = DeepseekV32ForCausalLM(mtp_config)
+    mtp = MTPLayer(mtp_config, donor.model.layers[config.num_hidden_layers])
+    return main, mtp
+
+
+# ----------------------------------------------------------------------------- recording
+class IndexerTap:
+    """Stands in for an HF indexer's forward while training: computes its scores once,
+    differentiably and from detached inputs (HF's forward runs under no_grad and returns only
+    the indices), keeps them for the KL loss and returns their top-k as HF does."""
+
+    def __init__(self, indexer: nn.Module) -> None:
+        self.indexer = indexer
+        self.scores: torch.Tensor | None = None  # [B, S, T]
+        self.selected: torch.Tensor | None = None  # [B, S, k]
+        indexer.forward = self.forward  # instance attribute: shadows the class's forward
+
+    def forward(self, hidden_states, q_resid, position_embeddings, attention_mask, position_ids=None, cache=None):
+        if cache is not None:
+            raise ValueError("IndexerTap is for cache-less training forwards (use_cache=False)")
+        cos, sin = position_embeddings
+        self.scores = indexer_scores(self.indexer, hidden_states.detach(), q_resid.detach(), cos, sin, attention_mask)
+        topk = min(self.indexer.index_topk, self.scores.shape[-1])
+        self.selected = self.scores.detach().topk(topk, dim=-1).indices
+        return self.selected.to(torch.int32)
+
+    def remove(self) -> None:
+        del self.indexer.forward
+
+
+class Recorder:
+    """Indexer taps and forward hooks that keep, per attention layer, the indexer's scores and
+    selection and the attention probabilities, and per MoE router the selected experts."""
+
+    def __init__(self, attentions: list[nn.Module], routers: list[nn.Module]) -> None:
+        self.taps = [IndexerTap(attn.indexer) for attn in attentions]
+        self.probs: list[torch.Tensor | None] = [None] * len(attentions)
+        self.routed: list[torch.Tensor | None] = [None] * len(routers)
+        self._handles = []
+        for i, attn in enumerate(attentions):
+            self._handles.append(attn.register_forward_hook(self._attention_hook(i)))
+        for i, router in enumerate(routers):
+            self._handles.append(router.register_forward_hook(self._router_hook(i)))
+
+    def _attention_hook(self, i: int):
+        def hook(module, args, output):
+            self.probs[i] = output[1].detach()  # [B, H, S, T]
+
+        return hook
+
+    def _router_hook(self, i: int):
+        def hook(module, args, output):
+            self.routed[i] = output[2].detach()  # [tokens, k]
+
+        return hook
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        for tap in self.taps:
+            tap.remove()
+
+
+def indexer_scores(indexer: nn.Module, x, q_resid, cos, sin, mask) -> torch.Tensor:
+    """HF DeepseekV32Indexer's scores I[b, s, t] before top-k (its forward, L190-235), in a
+    differentiable form: I = sum_h w[h] / sqrt(H) * ReLU(q[h] . k / sqrt(D)) + mask. -> [B, S, T] fp32."""
+    from transformers.models.deepseek_v32.modeling_deepseek_v32 import apply_rotary_pos_emb
+
+    b, s, _ = x.shape
+    h, d, rope = indexer.n_heads, indexer.head_dim, indexer.qk_rope_head_dim
+    q = indexer.wq_b(q_resid).view(b, s, h, d)  # [B, S, H, D]
+    k = indexer.k_norm(indexer.wk(x)).unsqueeze(2)  # [B, S, 1, D]
+    q_rot, k_rot = apply_rotary_pos_emb(q[..., :rope], k[..., :rope], cos, sin, unsqueeze_dim=2)
+    q = torch.cat([q_rot, q[..., rope:]], dim=-1).float().view(b, s * h, d)
+    k = torch.cat([k_rot, k[..., rope:]], dim=-1).squeeze(2).float()  # [B, T, D]
+    # One [S*H, D] x [D, T] product per sequence (not S small ones): same sums, far fewer calls.
+    scores = F.relu(torch.bmm(q, k.transpose(1, 2)) * indexer.softmax_scale).view(b, s, h, -1)  # [B, S, H, T]
+    weights = indexer.weights_proj(x.float()).float() * h**-0.5  # [B, S, H]
+    index_scores = torch.matmul(weights.unsqueeze(-2), scores).squeeze(-2)  # [B, S, T]
+    if mask.dtype == torch.bool:
+        return index_scores.masked_fill(~mask, torch.finfo(torch.float32).min)
+    return index_scores + mask
+
+
+def indexer_kl(scores: torch.Tensor, selected: torch.Tensor, probs: torch.Tensor, sparse: bool) -> torch.Tensor:
+    """Mean over queries of KL(p_t || softmax(I_t)), p_t = attention ``probs`` [B, H, S, T] summed
+    over heads and L1-normalised, I = ``scores`` [B, S, T]. ``sparse``: both distributions
+    restricted to the ``selected`` keys [B, S, k] (the attention is already)."""
+    target = probs.sum(dim=1)  # [B, S, T]
+    target = target / target.sum(dim=-1, keepdim=True)
+    if sparse:
+        keep = torch.zeros_like(scores, dtype=torch.bool).scatter(-1, selected, True)
+        scores = scores.masked_fill(~keep, torch.finfo(torch.float32).min)
+    log_q = F.log_softmax(scores, dim=-1)
+    # xlogy: masked keys have p = 0 and log q ~ -3e38; 0 * log 0 must read 0, not nan.
+    kl = torch.xlogy(target, target) - target * log_q
+    return kl.sum(dim=-1).mean()
+
+
+# ----------------------------------------------------------------------------- training
+def lr_at(step: int, recipe: Recipe) -> float:
+    if step < recipe.warmup_steps:
+        return recipe.lr * (step + 1) / recipe.warmup_steps
+    progress = (step - recipe.warmup_steps) / max(1, recipe.steps - recipe.warmup_steps)
+    cosine = 0.5 * (1 + math.cos(math.pi * progress))
+    return recipe.lr * (recipe.min_lr_ratio + (1 - recipe.min_lr_ratio) * cosine)
+
+
+def _set_index_topk(attentions: list[nn.Module], topk: int) -> None:
+    for attn in attentions:
+        attn.indexer.index_topk = topk
+
+
+def train(recipe: Recipe = Recipe(), log=print):
+    """Run the recipe; returns (main model, MTP layer), both in eval mode."""
+    torch.manual_seed(recipe.seed)
+    tokenizer = train_tokenizer()
+    train_text, _ = corpus_split()
+    stream = torch.tensor(tokenizer.encode(train_text, add_special_tokens=False).ids, dtype=torch.long)
+    main, mtp = build_models(recipe.seed)
+    main.train()
+    mtp.train()
+    attentions = [layer.self_attn for layer in main.model.layers] + [mtp.block.self_attn]
+    routers = [m.mlp.gate for m in [*main.model.layers, mtp.block] if hasattr(m.mlp, "gate")]
+    index_topk = attentions[0].indexer.index_topk
+    indexer_params = {id(p) for a in attentions for p in a.indexer.parameters()}
+    # Norm weights and biases are not decayed.
+    params = [p for p in [*main.parameters(), *mtp.parameters()]]
+    decay = [p for p in params if p.ndim >= 2]
+    no_decay = [p for p in params if p.ndim < 2]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": recipe.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=recipe.lr,
+        betas=(0.9, 0.95),
+    )
+    recorder = Recorder(attentions, routers)
+    layer_inputs: dict = {}
+    capture = main.model.layers[0].register_forward_pre_hook(
+        lambda module, args, kwargs: layer_inputs.update(kwargs), with_kwargs=True
+    )
+    generator = torch.Generator().manual_seed(recipe.seed)
+    start = time.process_time()
+    log(f"training: {stream.numel()} tokens, {sum(p.numel() for p in params) / 1e6:.2f}M parameters, {recipe}")
+    for step in range(recipe.steps):
+        sparse = step >= recipe.dense_steps
+        _set_index_topk(attentions, index_topk if sparse else recipe.seq_len + 1)
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step, recipe)
+        ids = sample_windows(stream, recipe.batch, recipe.seq_len, generator)  # [B, L + 2]
+        inputs, targets, targets2 = ids[:, :-2], ids[:, 1:-1], ids[:, 2:]
+        hidden = main.model(input_ids=inputs, use_cache=False).last_hidden_state  # [B, L + 1, D]
+        main_loss = F.cross_entropy(main.lm_head(hidden).flatten(0, 1), targets.flatten())
+        # MTP: at position i, from h_i and t_{i+1}, predict t_{i+2} (all detached from the main model).
+        mtp_logits = mtp(
+            main.model.embed_tokens(targets).detach(),
+            hidden.detach(),
+            main.lm_head.weight.detach(),
+            position_ids=layer_inputs["position_ids"],
+            attention_mask=layer_inputs["attention_mask"],
+            position_embeddings=layer_inputs["position_embeddings"],
+        )
+        mtp_loss = F.cross_entropy(mtp_logits.flatten(0, 1), targets2.flatten())
+        kls = [
+            indexer_kl(tap.scores, tap.selected, probs, sparse) for tap, probs in zip(recorder.taps, recorder.probs)
+        ]
+        loss = main_loss + mtp_loss + sum(kls)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        grads = [p for p in params if p.grad is not None and id(p) not in indexer_params]
+        torch.nn.utils.clip_grad_norm_(grads, recipe.grad_clip)
+        optimizer.step()
+        _balance_experts(routers, recorder.routed, recipe.bias_update_speed)
+        if step % recipe.log_every == 0 or step == recipe.steps - 1:
+            log(
+                f"step {step:4d} {'sparse' if sparse else 'dense '} lr {lr_at(step, recipe):.2e}  "
+                f"main {main_loss.item():.3f}  mtp {mtp_loss.item():.3f}  "
+                f"indexer KL {' '.join(f'{kl.item():.3f}' for kl in kls)}  {time.process_time() - start:.0f} s CPU"
+            )
+    capture.remove()
+    recorder.remove()
+    _set_index_topk(attentions, index_topk)
+    return main.eval(), mtp.eval()
+
+
+@torch.no_grad()
+def _balance_experts(routers: list[nn.Module], routed: list[torch.Tensor], speed: float) -> None:
+    """bias_e += speed * sign(mean load - load_e) (DeepSeek-V3 auxiliary-loss-free balancing)."""
+    for router, selected in zip(routers, routed):
+        load = torch.bincount(selected.flatten(), minlength=router.num_experts).float()
+        router.e_score_correction_bias += speed * torch.sign(load.mean() - load)
+
+
+# ----------------------------------------------------------------------------- export
+def _unfuse_experts(name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+    """HF's fused experts -> the checkpoint's per-expert names (gate rows first in gate_up)."""
+    prefix = name.rsplit(".", 1)[0] + "."
+    if name.endswith("gate_up_proj"):
+        gate, up = tensor.chunk(2, dim=1)  # [E, I, D] each
+        out = {f"{prefix}{e}.gate_proj.weight": gate[e] for e in range(tensor.shape[0])}
+        out.update({f"{prefix}{e}.up_proj.weight": up[e] for e in range(tensor.shape[0])})
+        return out
+    return {f"{prefix}{e}.down_proj.weight": tensor[e] for e in range(tensor.shape[0])}  # [E, D, I]
+
+
+def hf_state_to_checkpoint_names(main: nn.Module, mtp: MTPLayer) -> dict[str, torch.Tensor]:
+    """fp32 tensors under the checkpoint's names, MTP layer as model.layers.{num_hidden_layers}."""
+    mtp_prefix = f"model.layers.{main.config.num_hidden_layers}."
+    items = list(main.state_dict().items())
+    items += [(mtp_prefix + n.removeprefix("block."), t) for n, t in mtp.block.state_dict().items()]
+    state = {}
+    for name, tensor in items:
+        if name.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
+            state.update(_unfuse_experts(name, tensor))
+        else:
+            state[name] = tensor
+    extras = mtp.state_dict()
+    for ckpt_name, mtp_name in MTP_EXTRA_NAMES.items():
+        state[mtp_prefix + ckpt_name] = extras[mtp_name]
+    state.update(mtp_shared_copies(state, main.config.num_hidden_layers))
+    return {n: t.detach().float().contiguous() for n, t in state.items()}
+
+
+def checkpoint_tensors(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The fp8 checkpoint's tensors (as write_tiny_checkpoint stores them) of fp32 ``state``."""
+    cfg = ModelConfig.from_hf_dict(tiny_config_dict())
+    specs = expected_tensors(cfg)
+    weights = {n for n in specs if not n.endswith(SCALE_SUFFIX)}
+    if set(state) != weights:
+        raise RuntimeError(
+            "trained tensors do not match the checkpoint layout: "
+            f"missing {sorted(weights - set(state))}, unexpected {sorted(set(state) - weights)}"
+        )
+    tensors = {}
+    for name in sorted(weights):
+        if specs[name].dtypes[0] == FP8:
+            tensors[name], tensors[name + SCALE_SUFFIX] = quantize_fp8_blockwise(state[name], cfg.fp8_weight_block)
+        else:
+            tensors[name] = state[name].to(specs[name].dtypes[0])
+    return tensors
+
+
+def save_trained_weights(tensors: dict[str, torch.Tensor], path: Path, recipe: Recipe) -> None:
+    """The checkpoint tensors minus the MTP layer's embedding/head copies (restored on writing)."""
+    from safetensors.torch import save_file
+
+    copies = set(mtp_shared_copies(tensors, tiny_hf_config().num_hidden_layers))
+    kept = {n: t.contiguous() for n, t in tensors.items() if n not in copies}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file(kept, str(path), metadata={"format": "pt", "recipe": repr(recipe)})
+
+
+def load_mtp(ckpt_dir: Path) -> MTPLayer:
+    """The MTP layer of a checkpoint (fp8 dequantized), as an fp32 MTPLayer."""
+    _, mtp = build_models(seed=0)
+    with Checkpoint(ckpt_dir, include_mtp=True) as ckpt:
+        layer = ckpt.config.num_hidden_layers
+        prefix = f"model.layers.{layer}."
+        tensors = {n.removeprefix(prefix): ckpt.get(n) for n in ckpt.names() if n.startswith(prefix)}
+        n_experts = ckpt.config.n_routed_experts
+    state = {mtp_name: tensors[ckpt_name] for ckpt_name, mtp_name in MTP_EXTRA_NAMES.items()}
+    for name, param in mtp.block.state_dict().items():
+        if name.endswith("mlp.experts.gate_up_proj"):
+            ex = [f"mlp.experts.{e}." for e in range(n_experts)]
+            state["block." + name] = torch.stack(
+                [torch.cat([tensors[e + "gate_proj.weight"], tensors[e + "up_proj.weight"]]) for e in ex]
+            )
+        elif name.endswith("mlp.experts.down_proj"):
+            state["block." + name] = torch.stack([tensors[f"mlp.experts.{e}.down_proj.weight"] for e in range(n_experts)])
+        else:
+            state["block." + name] = tensors[name]
+    mtp.load_state_dict(state, strict=True)
+    return mtp.eval()
+
+
+# ----------------------------------------------------------------------------- evaluation
+def load_hf_oracle(ckpt_dir: Path, work_dir: Path):
+    """HF DeepseekV32ForCausalLM (fp32, eval) on a checkpoint's dequantized weights."""
+    from transformers import DeepseekV32ForCausalLM
+
+    copy = write_dequantized_hf_copy(ckpt_dir, work_dir / (Path(ckpt_dir).name + "-bf16"))
+    return DeepseekV32ForCausalLM.from_pretrained(copy, dtype=torch.float32).eval()
+
+
+def heldout_sequences(tokenizer, max_tokens: int = EVAL_MAX_TOKENS) -> list[torch.Tensor]:
+    """The held-out lines, BOS first, each cut to ``max_tokens`` tokens: [1, T] each."""
+    _, lines = corpus_split()
+    return [torch.tensor([tokenizer.encode(line).ids[:max_tokens]]) for line in lines]
+
+
+@torch.no_grad()
+def perplexity(model, sequences: list[torch.Tensor]) -> float:
+    """exp of the mean next-token NLL over every predicted token of ``sequences``."""
+    nll, count = 0.0, 0
+    for ids in sequences:
+        logits = model(input_ids=ids).logits[0, :-1]
+        nll += F.cross_entropy(logits.float(), ids[0, 1:], reduction="sum").item()
+        count += ids.shape[1] - 1
+    return math.exp(nll / count)
+
+
+@torch.no_grad()
+def mtp_agreement(model, mtp: MTPLayer, ids: torch.Tensor, start: int = 0) -> tuple[int, int]:
+    """(agreeing, drafted): how often the MTP draft of t_{i+2} from (h_i, t_{i+1}) equals the
+    main model's greedy prediction at position i + 1, for i >= start. On a greedy sequence this
+    is exactly the acceptance of one drafted token per step."""
+    inputs: dict = {}
+    hook = model.model.layers[0].register_forward_pre_hook(
+        lambda module, args, kwargs: inputs.update(kwargs), with_kwargs=True
+    )
+    try:
+        hidden = model.model(input_ids=ids, use_cache=False).last_hidden_state  # [1, T, D]
+    finally:
+        hook.remove()
+    greedy = model.lm_head(hidden).argmax(-1)  # [1, T]: position i predicts t_{i+1}
+    t = ids.shape[1]
+    cos, sin = inputs["position_embeddings"]
+    drafts = mtp(
+        model.model.embed_tokens(ids[:, 1:]),
+        hidden[:, :-1],
+        model.lm_head.weight,
+        position_ids=inputs["position_ids"][:, :-1],
+        attention_mask=inputs["attention_mask"][:, :, : t - 1, : t - 1],
+        position_embeddings=(cos[:, : t - 1], sin[:, : t - 1]),
+    ).argmax(-1)  # [1, T - 1]: position i drafts t_{i+2}
+    agree = drafts[0, start : t - 2] == greedy[0, start + 1 : t - 1]
+    return int(agree.sum()), agree.numel()
+
+
+@torch.no_grad()
+def greedy_continuation(model, ids: torch.Tensor, new_tokens: int) -> torch.Tensor:
+    """HF greedy generation (with its DSA cache): [1, T + new_tokens]."""
+    # Explicit mask and no EOS: HF would otherwise take the leading BOS (id 0) for padding, or stop.
+    return model.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
+        eos_token_id=None, pad_token_id=0,
+    )
+
+
+def evaluate(trained_dir: Path, random_dir: Path, work_dir: Path, log=print, prompt_tokens: int = 24) -> dict:
+    """Held-out perplexity of both checkpoints, MTP agreement (teacher-forced on held-out lines
+    and on greedy continuations of their first ``prompt_tokens`` tokens), one sample."""
+    tokenizer = train_tokenizer()
+    sequences = heldout_sequences(tokenizer)
+    trained = load_hf_oracle(trained_dir, work_dir)
+    results = {
+        "ppl_trained": perplexity(trained, sequences),
+        "ppl_random": perplexity(load_hf_oracle(random_dir, work_dir), sequences),
+    }
+    mtp = load_mtp(trained_dir)
+    forced = [mtp_agreement(trained, mtp, ids) for ids in sequences]
+    results["mtp_teacher_forced"] = sum(a for a, _ in forced) / sum(n for _, n in forced)
+    greedy, samples = [], []
+    for ids in sequences:
+        prompt = ids[:, :prompt_tokens]
+        out = greedy_continuation(trained, prompt, 32)
+        greedy.append(mtp_agreement(trained, mtp, out, start=prompt.shape[1] - 1))
+        samples.append(out)
+    results["mtp_greedy"] = sum(a for a, _ in greedy) / sum(n for _, n in greedy)
+    results["distinct_in_32"] = min(len(set(s[0, prompt_tokens:].tolist())) for s in samples)
+    log(f"held-out perplexity ({sum(s.shape[1] - 1 for s in sequences)} tokens, {len(sequences)} lines): "
+        f"trained {results['ppl_trained']:.1f}, random {results['ppl_random']:.1f}, uniform {tokenizer.get_vocab_size()}")
+    log(f"MTP top-1 agreement with the main model's next-next greedy token: teacher-forced "
+        f"{results['mtp_teacher_forced']:.1%}, on greedy continuations {results['mtp_greedy']:.1%}")
+    text = tokenizer.decode(samples[0][0, 1:].tolist())
+    log(f"sample (first {prompt_tokens - 1} tokens are the prompt): {text!r}")
+    return results
+
+
+# ----------------------------------------------------------------------------- CLI
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=TRAINED_WEIGHTS_PATH, help="weights file to write")
+    parser.add_argument("--steps", type=int, default=Recipe.steps)
+    parser.add_argument("--dense-steps", type=int, default=Recipe.dense_steps)
+    parser.add_argument("--seed", type=int, default=Recipe.seed)
+    parser.add_argument("--no-eval", action="store_true", help="skip the perplexity / MTP report")
+    args = parser.parse_args(argv)
+    if not 0 <= args.dense_steps <= args.steps:
+        parser.error(f"--dense-steps {args.dense_steps} must lie in [0, --steps {args.steps}]")
+    # One thread (the machine is shared, and results must not depend on the thread count).
+    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)
+    recipe = Recipe(seed=args.seed, steps=args.steps, dense_steps=args.dense_steps)
+    start, start_cpu = time.perf_counter(), time.process_time()
+    main_model, mtp = train(recipe)
+    train_s, train_cpu_s = time.perf_counter() - start, time.process_time() - start_cpu
+    tensors = checkpoint_tensors(hf_state_to_checkpoint_names(main_model, mtp))
+    save_trained_weights(tensors, args.out, recipe)
+    digest = hashlib.sha256(args.out.read_bytes()).hexdigest()
+    print(f"trained in {train_cpu_s:.0f} s CPU ({train_s:.0f} s wall, one thread); wrote {args.out} ({args.out.stat().st_size / 2**20:.1f} MiB, sha256 {digest})")
+    if args.no_eval:
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        trained_dir = write_trained_checkpoint(tmp / "tiny-v32-trained", weights=args.out)
+        random_dir = write_tiny_checkpoint(tmp / "tiny-v32-random", seed=0)
+        evaluate(trained_dir, random_dir, tmp)
+    print(f"total {time.process_time() - start_cpu:.0f} s CPU, {time.perf_counter() - start:.0f} s wall")
+
+
+if __name__ == "__main__":
+    main()
