@@ -1,5 +1,5 @@
 """dsa::fp8_block_linear and dsa::moe_experts (plugins/fp8_ops.py, reference plugins/fp8_reference.py)
-against the independent float64 emulation of the official W8A8 recipe (tests/ref_fp8.py), on CPU.
+against the independent float64 emulation of the official W8A8 recipe (tests/helpers/ref_fp8.py), on CPU.
 
 Two tiers (STYLE.md), tolerances next to each check:
 - tight: the same recipe in float64 (same quantisation, same bf16 roundings). What remains is the
@@ -17,7 +17,7 @@ import torch
 
 import dsa_trt.plugins.fp8_ops  # noqa: F401  (registers torch.ops.dsa.fp8_block_linear / moe_experts)
 from dsa_trt.plugins.fp8_ops import Fp8OpError
-import ref_fp8 as R
+from tests.helpers import ref_fp8 as R
 
 # e4m3 keeps 3 mantissa bits: relative rounding error up to 2^-4, RMS ~2^-4/sqrt(3) per element,
 # and a dot product of such errors averages them down to ~0.026 (measured 0.025-0.027 on these
