@@ -104,21 +104,24 @@ class StepInputs:
     def pad_tokens(self, multiple: int) -> "StepInputs":
         """This step with padding tokens appended so the token count is a multiple of ``multiple``.
 
-        Padding tokens write nowhere (slot -1), sit at position 0 of page-table row 0 (one valid
-        key) and have no logits row, so the real rows are unchanged. The deterministic mode pads
+        Padding tokens write nowhere (slot -1) and sit at position 0 of page-table row 0 (one valid
+        key); the logits rows are padded the same way (repeats of packed row 0), so the first rows
+        of the result are the unpadded step's. The deterministic mode pads
         every step this way: the linears then always see a whole number of ``multiple``-row blocks,
         and a row's result no longer depends on how many rows the step has (docs/architecture.md §8).
         """
-        tokens = self.input_ids.shape[0]
-        extra = -tokens % multiple
-        if extra == 0:
+        sizes = self.dim_sizes()
+        extra = {"tokens": -sizes["tokens"] % multiple, "logit_rows": -sizes["logit_rows"] % multiple}
+        if not any(extra.values()):
             return self
         padded = []
         for f in STEP_FIELDS:
             t = getattr(self, f.name)
-            if f.dims[0] == "tokens":
-                value = 0 if f.pad in (None, ROW) else f.pad  # row 0 of page_table: a valid row
-                t = torch.cat([t, t.new_full((extra, *t.shape[1:]), value)])
+            n = extra.get(f.dims[0], 0)
+            if n:
+                # token padding: row 0 of page_table (a valid row); logits padding: repeats of row 0
+                value = 0 if f.pad in (None, ROW) else f.pad
+                t = torch.cat([t, t.new_full((n, *t.shape[1:]), value)])
             padded.append(t)
         return StepInputs(*padded)
 
