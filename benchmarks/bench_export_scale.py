@@ -1,6 +1,6 @@
 """torch.export of the real-size network on fake weights: graph nodes per layer and export time.
 
-    python benchmarks/bench_export_scale.py [--layers L] [--config CONFIG_JSON] [--tp N] [--dense]
+    python benchmarks/bench_export_scale.py [--layers L] [--config CONFIG_JSON] [--tp N]
 
 Builds rank 0's DSAForCausalLM for the real DeepSeek-V3.2 config (tests/data, spec/MODEL.md §1.1;
 61 layers unless --layers) with every parameter a FakeTensor (shapes and dtypes, no storage: the
@@ -31,11 +31,11 @@ REAL_CONFIG = Path(__file__).resolve().parent.parent / "tests" / "data" / "deeps
 TOP_OPS = 8  # the most frequent ops, printed to see what a layer is made of
 
 
-def fake_network(cfg: ModelConfig, cache_mode: str, tp: int, dense: bool) -> DSAForCausalLM:
+def fake_network(cfg: ModelConfig, cache_mode: str, tp: int) -> DSAForCausalLM:
     """Rank 0's network with FakeTensor parameters and buffers (meta-like, but on the CPU device
     the example inputs live on, so fake-tensor device propagation accepts the mix)."""
     with FakeTensorMode(allow_non_fake_inputs=True):
-        net = DSAForCausalLM(cfg, cache_mode=cache_mode, dtype=torch.bfloat16, dense_prefill=dense,
+        net = DSAForCausalLM(cfg, cache_mode=cache_mode, dtype=torch.bfloat16,
                              tp_rank=0, tp_size=tp)
     return net.eval()
 
@@ -53,7 +53,6 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--layers", type=int, default=None, help="override num_hidden_layers (first_k_dense_replace stays)")
     ap.add_argument("--tp", type=int, default=1, help="export rank 0 of a tensor-parallel engine")
     ap.add_argument("--cache", choices=("fp8", "bf16"), default="fp8")
-    ap.add_argument("--dense", action="store_true", help="the dense-prefill program instead of the sparse one")
     a = ap.parse_args(argv)
     d = ModelConfig.from_json(a.config).to_dict()
     if a.layers is not None:
@@ -63,12 +62,12 @@ def main(argv: list[str] | None = None) -> None:
     cfg = ModelConfig.from_dict(d)
     moe = sum(cfg.is_moe_layer)
     print(f"config {a.config.name}: {cfg.num_hidden_layers} layers ({cfg.num_hidden_layers - moe} dense, {moe} MoE), "
-          f"{cfg.n_routed_experts} experts, hidden {cfg.hidden_size}; tp={a.tp}, cache {a.cache}, "
-          f"{'dense-prefill' if a.dense else 'sparse'} program; torch {torch.__version__}, "
+          f"{cfg.n_routed_experts} experts, hidden {cfg.hidden_size}; tp={a.tp}, cache {a.cache}; "
+          f"torch {torch.__version__}, "
           f"{torch.get_num_threads()} threads", flush=True)
 
     t0 = time.perf_counter()
-    net = fake_network(cfg, a.cache, a.tp, a.dense)
+    net = fake_network(cfg, a.cache, a.tp)
     layers, mtp = count_layers(net)
     print(f"network on fake weights: {layers} decoder layers, "
           f"{f'{mtp} MTP layers' if mtp else 'no MTP layer (the network does not export one)'}, "

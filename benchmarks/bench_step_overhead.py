@@ -73,7 +73,7 @@ def main() -> int:
     seqs = [([rng.randrange(2, cfg.model.vocab_size)], a.context, pages[i * ppd:(i + 1) * ppd]) for i in range(a.decode)]
     chunk = [rng.randrange(2, cfg.model.vocab_size) for _ in range(a.chunk)]
     seqs.append((chunk, a.chunk, pages[a.decode * ppd:]))  # a chunked prefill: start > 0, sparse program
-    step = StepInputs.build(seqs, cfg.model.index_topk, device="cuda")
+    step = StepInputs.build(seqs, device="cuda")
 
     def forward():
         return engine.forward(step, *pools)

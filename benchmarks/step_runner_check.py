@@ -84,11 +84,10 @@ def main() -> int:
     pages = rng.sample(range(num_pages), a.batch * pages_per_seq)
     seq_pages = [pages[i * pages_per_seq:(i + 1) * pages_per_seq] for i in range(a.batch)]
     prompts = [[rng.randrange(2, cfg.model.vocab_size) for _ in range(a.context)] for _ in range(a.batch)]
-    prefill = StepInputs.build([(p, 0, pg) for p, pg in zip(prompts, seq_pages)], cfg.model.index_topk, device="cuda")
+    prefill = StepInputs.build([(p, 0, pg) for p, pg in zip(prompts, seq_pages)], device="cuda")
     first = engine.forward(prefill, *pools).argmax(-1).tolist()
-    step = StepInputs.build([([t], a.context, pg) for t, pg in zip(first, seq_pages)], cfg.model.index_topk,
+    step = StepInputs.build([([t], a.context, pg) for t, pg in zip(first, seq_pages)],
                             device="cuda")
-    assert not step.dense_prefill, "a decode step runs the sparse program"
     with tempfile.TemporaryDirectory() as tmp:
         inputs, logits_path = Path(tmp) / "inputs.dsat", Path(tmp) / "logits.dsat"
         write_dsat(inputs, [*step.as_tuple(), *pools[0], *pools[1]])  # the caches before the step

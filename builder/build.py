@@ -174,27 +174,23 @@ def build_engine(checkpoint: str | Path, out: str | Path, tp: int = 1, cache_mod
         plugin_lib = out / cfg_out.plugin_library
         profile = Profile.from_limits(cfg_out.max_num_tokens, cfg_out.max_batch, cfg_out.max_pages_per_seq)
     for rank in range(tp):
-        # one load per rank; the sparse and dense-prefill programs differ only in net.dense_prefill
         net = build_network(ckpt, cache_mode, torch_dtype, kv_scales, device=device, tp_rank=rank, tp_size=tp,
                             progress=_bar(f"load rank {rank}/{tp}", unit="tensor"))
         # the ONNX is always the TensorRT graph: bf16 activations (a float32 build gets a bf16 copy for it)
         onnx_net = net if not emit_onnx or torch_dtype == torch.bfloat16 else build_network(
             ckpt, cache_mode, torch.bfloat16, kv_scales, device=device, tp_rank=rank, tp_size=tp)
-        bar = tqdm(total=4, desc=f"{f'export+compile rank {rank}':<22}", unit="step", dynamic_ncols=True,
+        bar = tqdm(total=2, desc=f"{f'export+compile rank {rank}':<22}", unit="step", dynamic_ncols=True,
                    file=sys.stderr)
-        for dense in (False, True):
-            net.dense_prefill = onnx_net.dense_prefill = dense
-            kind = "dense-prefill" if dense else "sparse"
-            bar.set_postfix_str(f"export {kind}")
-            ep = export_program(net, max_num_tokens=max_num_tokens, device=device)
-            onnx_ep = ep if onnx_net is net else export_program(onnx_net, max_num_tokens=max_num_tokens, device=device)
-            bar.update()
-            name = cfg_out.rank_file(rank, dense=dense)
-            bar.set_postfix_str(f"compile {name}")
-            compile_program(ep, onnx_ep, out, name, compiler, emit_onnx, profile, plugin_lib)
-            bar.update()
-            del ep, onnx_ep
+        bar.set_postfix_str("export")
+        ep = export_program(net, max_num_tokens=max_num_tokens, device=device)
+        onnx_ep = ep if onnx_net is net else export_program(onnx_net, max_num_tokens=max_num_tokens, device=device)
+        bar.update()
+        name = cfg_out.rank_file(rank)
+        bar.set_postfix_str(f"compile {name}")
+        compile_program(ep, onnx_ep, out, name, compiler, emit_onnx, profile, plugin_lib)
+        bar.update()
         bar.close()
+        del ep, onnx_ep
         del net, onnx_net
     for f in TOKENIZER_FILES:
         src = Path(checkpoint) / f
@@ -213,9 +209,8 @@ def build_summary(out: Path, cfg: EngineConfig) -> str:
     lines = [f"  engine      {out}  ({cfg.model.model_type}, {cfg.compiler} on {cfg.device}, {cfg.dtype}, "
              f"cache {cfg.cache_mode})"]
     for rank in range(cfg.tp_size):
-        files = [cfg.rank_file(rank), cfg.rank_file(rank, dense=True)]
-        sizes = [(out / f).stat().st_size / 2**20 for f in files if (out / f).is_file()]
-        lines.append(f"  rank {rank:<6} {' + '.join(f'{f} {s:.1f} MiB' for f, s in zip(files, sizes))}")
+        name = cfg.rank_file(rank)
+        lines.append(f"  rank {rank:<6} {name} {(out / name).stat().st_size / 2**20:.1f} MiB")
     lines.append(f"  cache       {bpt:,} B/token on every rank ({cfg.model.num_hidden_layers} layers x "
                  f"{bpt // cfg.model.num_hidden_layers} B: MLA latent + indexer key, replicated across ranks)")
     lines.append(f"  capacity    {2**30 // bpt:,} tokens per GiB of cache memory per rank")
@@ -255,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-num-tokens", type=int, default=8192,
                     help="most tokens one step may hold (the exported programs' dynamic-shape bound)")
     ap.add_argument("--emit-onnx", action="store_true",
-                    help="also write onnx/rank<N>[.dense].onnx: the TensorRT graphs with plugin nodes (any machine)")
+                    help="also write onnx/rank<N>.onnx: the TensorRT graphs with plugin nodes (any machine)")
     ap.add_argument("--gpu-memory-gb", type=float, default=None,
                     help="refuse a --tp whose ranks cannot hold their weights and one step of cache (dsa-trt plan)")
     a = ap.parse_args(argv)

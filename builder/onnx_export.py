@@ -10,7 +10,7 @@ attribute table are docs/onnx_plugin_nodes.md. How the graph is made:
 2. ``torch.onnx.export(dynamo=True)`` with a custom translation table: each DSA op becomes ONE node
    ``domain="dsa", op_type=<plugin name>``, attributes = the plugin fields + ``plugin_namespace="dsa"``,
    ``plugin_version="1"`` (onnx-tensorrt's FallbackPluginImporter turns them into PluginFields).
-   Two aten ops get our own translation: 3-D SDPA (dense prefill) and einsum (ONNX Einsum has no bf16).
+   One aten op gets our own translation: einsum (ONNX Einsum has no bf16).
 3. Post-processing on the ONNX IR: outputs named ``logits`` and ``<pool input>_out`` (TensorRT aliases
    the latter to the pool inputs through the plugins' getAliasedInput; the runtime binds both to one
    buffer); dynamic dims named as in the step contract, dsa_trt/step.py (tokens, batch, pages_per_seq,
@@ -108,8 +108,8 @@ def functionalize(ep: ExportedProgram) -> tuple[ExportedProgram, list[str]]:
     ``write(..., pool)`` becomes ``pool' = write_functional(..., pool)``, later uses of ``pool``
     read ``pool'``, and each pool's last value becomes an extra program output (after the logits,
     in pool-input order). The program then mutates nothing: the pools are ordinary graph outputs,
-    which no exporter pass can drop (mutation outputs would be dead code to ONNX: in the
-    dense-prefill program nothing reads the written pools). Rewriting the (non-functional)
+    which no exporter pass can drop (mutation outputs would be dead code to ONNX: the last layer's
+    writes are read by nothing in the step). Rewriting the (non-functional)
     training IR directly also spares a ``run_decompositions``.
     """
     gm = torch.fx.GraphModule(ep.graph_module, copy.deepcopy(ep.graph))  # parameters shared, not copied
@@ -295,20 +295,6 @@ def _all_reduce(x, group_size: int):
     return _OPS["DsaAllReduce"](x, group_size=int(group_size), **PLUGIN_STRINGS)
 
 
-def _sdpa(query, key, value, attn_mask=None, dropout_p: float = 0.0, is_causal: bool = False,
-          scale: float | None = None, enable_gqa: bool = False):
-    """softmax(q k^T * scale, masked) v for the dense-prefill path ([H, T, d], boolean mask [T, T]):
-    torchlib handles 4-D inputs only; this is the MatMul-Softmax-MatMul form TensorRT fuses into MHA."""
-    if attn_mask is None or is_causal or dropout_p or enable_gqa or scale is None:
-        raise OnnxExportError("scaled_dot_product_attention: only the dense-prefill form (boolean mask, explicit "
-                              "scale, no dropout/causal flag/GQA) is translated")
-    rank = len(query.shape)
-    key_t = op.Transpose(key, perm=[*range(rank - 2), rank - 1, rank - 2])
-    scores = op.Mul(op.MatMul(query, key_t), op.CastLike(op.Constant(value_float=float(scale)), query))
-    scores = op.Where(attn_mask, scores, op.CastLike(op.Constant(value_float=float("-inf")), query))
-    return op.MatMul(op.Softmax(scores, axis=-1), value)
-
-
 def _einsum(equation: str, tensors, path=None):
     """Two-operand einsum as Transpose + broadcast MatMul (+ ReduceSum): ONNX Einsum has no bf16 and
     TensorRT's Einsum layer is narrower than MatMul. Covers products with at most one contracted
@@ -354,7 +340,6 @@ def _einsum(equation: str, tensors, path=None):
 
 TRANSLATIONS = {
     torch.ops.aten.einsum.default: _einsum,
-    torch.ops.aten.scaled_dot_product_attention.default: _sdpa,
     torch.ops.dsa_onnx.mla_cache_write.default: _mla_cache_write,
     torch.ops.dsa_onnx.indexer_k_cache_write.default: _indexer_k_cache_write,
     torch.ops.dsa.indexer_logits.default: _indexer_logits,
@@ -369,7 +354,7 @@ assert sorted(PLUGINS) == sorted({**PLUGIN_NAMES, **FP8_PLUGIN_NAMES}.values())
 
 # ---------------------------------------------------------------- 3. the exported graph, finished
 def export_onnx(ep: ExportedProgram, path: str | Path, pool_carrier: str = "int32") -> Path:
-    """Write the ONNX of one exported step program (sparse or dense-prefill) to ``path``.
+    """Write the ONNX of one exported step program to ``path``.
 
     Graph inputs: the program's (input_ids, positions, req_idx, page_table, slot_mapping,
     logits_indices, mla_pools_<l>, index_pools_<l>). Outputs: ``logits`` [logit_rows, vocab] fp32,

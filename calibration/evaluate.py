@@ -70,7 +70,7 @@ def _all_logits(net: DSAForCausalLM, sequences: list[list[int]]) -> torch.Tensor
     for seq in sequences:
         pages = list(range(-(-len(seq) // PAGE_SIZE)))
         pools = allocate_pools(cfg, net.cache_mode, len(pages))
-        step = StepInputs.build([(seq, 0, pages)], cfg.index_topk, logits_for="all")
+        step = StepInputs.build([(seq, 0, pages)], logits_for="all")
         out.append(net(*step.as_tuple(), *pools))
     return torch.cat(out)  # [sum of lengths, V]
 

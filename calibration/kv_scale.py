@@ -50,7 +50,7 @@ def run_sequences(net: DSAForCausalLM, sequences: list[list[int]], progress: Pro
     for seq in progress(sequences) if progress else sequences:
         pages = list(range(-(-len(seq) // PAGE_SIZE)))
         mla, idx = allocate_pools(cfg, "fp32", len(pages), device=device)
-        step = StepInputs.build([(seq, 0, pages)], cfg.index_topk, device=device)
+        step = StepInputs.build([(seq, 0, pages)], device=device)
         with torch.no_grad():
             net(*step.as_tuple(), mla, idx)
         # pages 0.. in order: slots 0..len-1

@@ -2,8 +2,7 @@
 
 engine_dir/
   engine_config.json        this schema
-  rank<N>.<ext>             the general (sparse) program of rank N: .pt2 (AOTInductor) or .plan (TensorRT)
-  rank<N>.dense.<ext>       the dense-prefill program (short fresh prompts), same compiler
+  rank<N>.<ext>             the program of rank N (one step): .pt2 (AOTInductor) or .plan (TensorRT)
   tokenizer.json            (+ tokenizer_config.json)
   quant/<recipe>.json       calibration artifact (fp8 cache mode)
 
@@ -73,8 +72,8 @@ class EngineConfig:
     def cache_bytes_per_token(self) -> int:
         return self.model.cache_bytes_per_token(self.cache_mode)
 
-    def rank_file(self, rank: int, dense: bool = False) -> str:
-        return f"rank{rank}{'.dense' if dense else ''}.{COMPILERS[self.compiler]}"
+    def rank_file(self, rank: int) -> str:
+        return f"rank{rank}.{COMPILERS[self.compiler]}"
 
     # I/O
     def save(self, engine_dir: str | Path) -> Path:
@@ -115,12 +114,6 @@ class EngineConfig:
 
     def check_files(self, engine_dir: Path) -> None:
         missing = [self.rank_file(r) for r in range(self.tp_size) if not (engine_dir / self.rank_file(r)).is_file()]
-        if self.compiler != "eager":
-            missing += [
-                self.rank_file(r, dense=True)
-                for r in range(self.tp_size)
-                if not (engine_dir / self.rank_file(r, dense=True)).is_file()
-            ]
         if not (engine_dir / self.tokenizer).is_file():
             missing.append(self.tokenizer)
         if missing:
@@ -180,7 +173,7 @@ def write_manifest(engine_dir: str | Path, cfg: EngineConfig) -> Path:
     engine_dir = Path(engine_dir)
     raw = json.loads((engine_dir / ENGINE_CONFIG_NAME).read_text())
     tie = config_sha256(raw)
-    programs = {cfg.rank_file(r, dense) for r in range(cfg.tp_size) for dense in (False, True)}
+    programs = {cfg.rank_file(r) for r in range(cfg.tp_size)}
     names = sorted(p.relative_to(engine_dir).as_posix() for p in engine_dir.rglob("*")
                    if p.is_file() and p.name != MANIFEST_NAME and p.parent.name != "__pycache__"
                    and p.relative_to(engine_dir).as_posix() != ENGINE_CONFIG_NAME)
@@ -258,8 +251,8 @@ def verify_engine_files(engine_dir: str | Path, cfg: EngineConfig, rank: int = 0
         return
     check_config_tie(engine_dir, json.loads((engine_dir / ENGINE_CONFIG_NAME).read_text()), manifest)
     files = manifest["files"]
-    mine = {cfg.rank_file(rank), cfg.rank_file(rank, dense=True)} if cfg.compiler != "eager" else {cfg.rank_file(rank)}
-    others = {cfg.rank_file(r, d) for r in range(cfg.tp_size) for d in (False, True)} - mine
+    mine = {cfg.rank_file(rank)}
+    others = {cfg.rank_file(r) for r in range(cfg.tp_size)} - mine
     # this rank's programs and the shared files; other ranks' programs and the ONNX are not loaded here
     names = sorted(n for n in files if n not in others and not n.startswith("onnx/"))
     for name in sorted(mine - set(files)):

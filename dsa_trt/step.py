@@ -83,9 +83,6 @@ class StepInputs:
     slot_mapping: torch.Tensor = step_field(torch.int64, ("tokens",), -1, "cache slot written; -1 = none")
     logits_indices: torch.Tensor = step_field(torch.int64, ("logit_rows",), ROW,
                                               "packed rows whose logits are returned")
-    # True when every sequence in the step starts at position 0 and its length <= index_topk:
-    # then the dense MHA-form prefill program is exact (top-k would select every key).
-    dense_prefill: bool = False
 
     def as_tuple(self) -> tuple[torch.Tensor, ...]:
         """The positional tensor inputs of the exported program (before the cache pools)."""
@@ -93,7 +90,7 @@ class StepInputs:
 
     def to(self, device: torch.device | str) -> "StepInputs":
         moved = (t.to(device, non_blocking=True) for t in self.as_tuple())
-        return StepInputs(*moved, dense_prefill=self.dense_prefill)
+        return StepInputs(*moved)
 
     def dim_sizes(self) -> dict[str, int]:
         """STEP_DIMS name -> this step's size (read from the first field that has the dim)."""
@@ -103,6 +100,30 @@ class StepInputs:
             for axis, name in enumerate(f.dims):
                 sizes.setdefault(name, shape[axis])
         return sizes
+
+    def pad_tokens(self, multiple: int) -> "StepInputs":
+        """This step with padding tokens appended so the token count is a multiple of ``multiple``.
+
+        Padding tokens write nowhere (slot -1) and sit at position 0 of page-table row 0 (one valid
+        key); the logits rows are padded the same way (repeats of packed row 0), so the first rows
+        of the result are the unpadded step's. The deterministic mode pads
+        every step this way: the linears then always see a whole number of ``multiple``-row blocks,
+        and a row's result no longer depends on how many rows the step has (docs/architecture.md §8).
+        """
+        sizes = self.dim_sizes()
+        extra = {"tokens": -sizes["tokens"] % multiple, "logit_rows": -sizes["logit_rows"] % multiple}
+        if not any(extra.values()):
+            return self
+        padded = []
+        for f in STEP_FIELDS:
+            t = getattr(self, f.name)
+            n = extra.get(f.dims[0], 0)
+            if n:
+                # token padding: row 0 of page_table (a valid row); logits padding: repeats of row 0
+                value = 0 if f.pad in (None, ROW) else f.pad
+                t = torch.cat([t, t.new_full((n, *t.shape[1:]), value)])
+            padded.append(t)
+        return StepInputs(*padded)
 
     @staticmethod
     def padding(sizes: Mapping[str, int], device: torch.device | str = "cpu") -> "StepInputs":
@@ -123,7 +144,6 @@ class StepInputs:
     @staticmethod
     def build(
         seqs: list[tuple[list[int], int, list[int]]],
-        index_topk: int,
         device: torch.device | str = "cpu",
         logits_for: str = "last",
     ) -> "StepInputs":
@@ -136,7 +156,6 @@ class StepInputs:
         ids, pos, req, slots, last = [], [], [], [], []
         max_pages = max(1, max(len(p) for _, _, p in seqs))
         table = torch.zeros(len(seqs), max_pages, dtype=torch.int32)
-        dense = True
         for b, (toks, start, pages) in enumerate(seqs):
             n = len(toks)
             if n == 0:
@@ -152,7 +171,6 @@ class StepInputs:
                 req.append(b)
                 slots.append(pages[p // PAGE_SIZE] * PAGE_SIZE + p % PAGE_SIZE)
             last.append(len(ids) - 1)
-            dense = dense and start == 0 and n <= index_topk
         logits_indices = list(range(len(ids))) if logits_for == "all" else last
         return StepInputs(
             input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
@@ -161,7 +179,6 @@ class StepInputs:
             page_table=table.to(device),
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
             logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=device),
-            dense_prefill=dense,
         )
 
 

@@ -5,10 +5,10 @@ per-layer MLA and indexer pools as inputs that the cache-write ops update in pla
 the rows in ``logits_indices``. The DSA operators are ``torch.ops.dsa.*`` custom ops, so
 torch.export keeps them as single nodes (TensorRT plugins / our CUDA kernels downstream).
 
-Two programs come from this module:
-* sparse (``dense_prefill=False``): indexer -> top-k -> absorbed sparse MLA; valid for any step.
-* dense prefill (``dense_prefill=True``): MHA-form causal attention within each sequence; exact
-  only when every sequence starts at 0 and is <= index_topk long (top-k would select all keys).
+Every token takes the same path, indexer -> top-k -> absorbed sparse MLA, whatever else is in
+the step: a sequence's numerics never depend on its batch neighbours or on how it was chunked
+(docs/architecture.md §8). A token with at most index_topk visible keys selects all of them, so
+this equals dense causal attention there.
 """
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ class DSAAttention(nn.Module):
         self.kv_cache_quantizer = KVCacheQuantizerSlot()
         self.kv_scale = 1.0  # per-layer MLA cache scale (fp8 mode), set from calibration
 
-    def forward(self, x, cos, sin, meta: dict, mla_pool, index_pool, cache_mode: str, dense: bool):
+    def forward(self, x, cos, sin, meta: dict, mla_pool, index_pool, cache_mode: str):
         cfg, h = self.cfg, self.num_heads
         num_tokens = x.shape[0]
         c_q = self.q_a_layernorm(self.q_a_proj(x))
@@ -125,41 +125,16 @@ class DSAAttention(nn.Module):
 
         w_kvb = self.kv_b_proj.weight.view(h, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
         w_uk, w_uv = w_kvb[:, : cfg.qk_nope_head_dim], w_kvb[:, cfg.qk_nope_head_dim :]
-        if dense:
-            # Keys of this step only (no past), so the indexer keys are written but not scored.
-            torch.ops.dsa.indexer_k_cache_write(self._index_k(x, cos, sin), meta["slot_mapping"], index_pool)
-            out = self._dense_mha(q_nope, q_pe, c_kv, k_pe, w_kvb, meta)  # [T, H, v]
-        else:
-            slots = self.indexer(
-                x, c_q, cos, sin, meta["slot_mapping"], index_pool, meta["page_table"], meta["req_idx"],
-                meta["seq_lens"], cache_mode == "fp8",
-            )
-            q_lat = torch.einsum("thd,hdc->thc", q_nope, w_uk)  # [T, H, 512]
-            q_abs = torch.cat([q_lat, q_pe], dim=-1)  # [T, H, 576]
-            o_lat, _ = torch.ops.dsa.sparse_mla(q_abs, mla_pool, slots, self.kv_scale, cfg.softmax_scale)
-            out = torch.einsum("thc,hvc->thv", o_lat.to(x.dtype), w_uv)  # [T, H, v]
+        slots = self.indexer(
+            x, c_q, cos, sin, meta["slot_mapping"], index_pool, meta["page_table"], meta["req_idx"],
+            meta["seq_lens"], cache_mode == "fp8",
+        )
+        q_lat = torch.einsum("thd,hdc->thc", q_nope, w_uk)  # [T, H, 512]
+        q_abs = torch.cat([q_lat, q_pe], dim=-1)  # [T, H, 576]
+        o_lat, _ = torch.ops.dsa.sparse_mla(q_abs, mla_pool, slots, self.kv_scale, cfg.softmax_scale)
+        out = torch.einsum("thc,hvc->thv", o_lat.to(x.dtype), w_uv)  # [T, H, v]
         out = self.o_proj(out.reshape(num_tokens, h * cfg.v_head_dim))
         return torch.ops.dsa.all_reduce(out, self.tp_size) if self.tp_size > 1 else out
-
-    def _index_k(self, x, cos, sin):
-        ix = self.indexer
-        k = ix._rope(ix.k_norm(ix.wk(x)), cos, sin)
-        return (k.float() @ ix.hadamard).to(k.dtype)
-
-    def _dense_mha(self, q_nope, q_pe, c_kv, k_pe, w_kvb, meta):
-        """Causal attention within each sequence of the step, MHA form (per-head 192-d q/k)."""
-        cfg, h = self.cfg, self.num_heads
-        num_tokens = q_nope.shape[0]
-        kv = torch.einsum("tc,hdc->thd", c_kv, w_kvb)  # [T, H, nope + v]
-        k_nope, v = kv[..., : cfg.qk_nope_head_dim], kv[..., cfg.qk_nope_head_dim :]
-        k = torch.cat([k_nope, k_pe.unsqueeze(1).expand(num_tokens, h, cfg.qk_rope_head_dim)], dim=-1)
-        q = torch.cat([q_nope, q_pe], dim=-1)
-        req, pos = meta["req_idx"], meta["positions"]
-        mask = (req[:, None] == req[None, :]) & (pos[:, None] >= pos[None, :])  # [T, T]
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask, scale=cfg.softmax_scale
-        )
-        return out.transpose(0, 1)
 
 
 class DecoderLayer(nn.Module):
@@ -175,8 +150,8 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = MoE(cfg, dtype, local_experts(cfg, tp_rank, tp_size), tp_size)
 
-    def forward(self, h, cos, sin, meta, mla_pool, index_pool, cache_mode, dense):
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, meta, mla_pool, index_pool, cache_mode, dense)
+    def forward(self, h, cos, sin, meta, mla_pool, index_pool, cache_mode):
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, meta, mla_pool, index_pool, cache_mode)
         m = self.mlp(self.post_attention_layernorm(h))
         if self.dense_mlp and self.tp_size > 1:
             m = torch.ops.dsa.all_reduce(m, self.tp_size)
@@ -203,14 +178,14 @@ class DSAForCausalLM(nn.Module):
     """
 
     def __init__(self, cfg: ModelConfig, cache_mode: str = "bf16", dtype: torch.dtype = torch.bfloat16,
-                 dense_prefill: bool = False, tp_rank: int = 0, tp_size: int = 1):
+                 tp_rank: int = 0, tp_size: int = 1):
         super().__init__()
         if cache_mode not in CACHE_MODES:
             raise ValueError(f"cache_mode {cache_mode!r} not in {CACHE_MODES}")
         check_tp(cfg, tp_size)
         if not 0 <= tp_rank < tp_size:
             raise ValueError(f"tp_rank {tp_rank} not in [0, {tp_size})")
-        self.cfg, self.cache_mode, self.dtype, self.dense_prefill = cfg, cache_mode, dtype, dense_prefill
+        self.cfg, self.cache_mode, self.dtype = cfg, cache_mode, dtype
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.model = DSAModelBody(cfg, dtype, tp_rank, tp_size)
         self.lm_head = linear(cfg.hidden_size, cfg.vocab_size, dtype)
@@ -232,6 +207,6 @@ class DSAForCausalLM(nn.Module):
         }
         h = self.model.embed_tokens(input_ids)
         for layer, mla_pool, index_pool in zip(self.model.layers, mla_pools, index_pools):
-            h = layer(h, cos, sin, meta, mla_pool, index_pool, self.cache_mode, self.dense_prefill)
+            h = layer(h, cos, sin, meta, mla_pool, index_pool, self.cache_mode)
         h = self.model.norm(h[logits_indices])
         return F.linear(h.float(), self.lm_head.weight.float())  # lm_head in fp32 (docs/architecture.md §8)

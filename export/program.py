@@ -29,7 +29,6 @@ def build_network(
     cache_mode: str,
     dtype: torch.dtype,
     kv_scales: list[float] | None = None,
-    dense_prefill: bool = False,
     device: str | torch.device = "cpu",
     tp_rank: int = 0,
     tp_size: int = 1,
@@ -39,8 +38,7 @@ def build_network(
     by export/sharding.py), in eval mode. ``progress`` wraps the loop over the tensors."""
     cfg = ckpt.config
     with torch.device("meta"):
-        net = DSAForCausalLM(cfg, cache_mode=cache_mode, dtype=dtype, dense_prefill=dense_prefill,
-                             tp_rank=tp_rank, tp_size=tp_size)
+        net = DSAForCausalLM(cfg, cache_mode=cache_mode, dtype=dtype, tp_rank=tp_rank, tp_size=tp_size)
     state = {}
     items = list(net.state_dict().items())
     for name, param in progress(items) if progress else items:
@@ -59,18 +57,18 @@ def build_network(
     return net.eval()
 
 
-def example_step(cfg: ModelConfig, dense: bool, device="cpu") -> StepInputs:
+def example_step(cfg: ModelConfig, device="cpu") -> StepInputs:
     """A small two-sequence step that exercises every branch while tracing."""
-    n = min(cfg.index_topk, 8) if dense else 24
+    n = 24
     # two pages per sequence so the page-table width is not specialised to 1 while tracing
     seqs = [(list(range(2, 2 + n)), 0, [1, 3]), (list(range(3, 3 + n // 2 + 1)), 0, [2, 0])]
-    return StepInputs.build(seqs, cfg.index_topk, device=device)
+    return StepInputs.build(seqs, device=device)
 
 
 def export_program(net: DSAForCausalLM, max_num_tokens: int = 8192, max_batch: int = 256,
                    max_pages_per_seq: int = 4096, device="cpu") -> ExportedProgram:
     cfg = net.cfg
-    step = example_step(cfg, net.dense_prefill, device)
+    step = example_step(cfg, device)
     mla, idx = allocate_pools(cfg, net.cache_mode, 4, device=device)
     # dims and their bounds come from the step contract (dsa_trt/step.py): one symbol per name
     dims = export_dims(max_num_tokens=max_num_tokens, max_batch=max_batch, max_pages_per_seq=max_pages_per_seq)

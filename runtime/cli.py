@@ -210,6 +210,8 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 # The sampling flags' defaults are SamplingParams' (one set for the CLI, the Python API and the
 # Triton model).
 _SAMPLING = SamplingParams()
+DETERMINISTIC_HELP = ("pad every step to a multiple of 16 tokens: a request's output does not depend on what it is "
+                      "batched with, bitwise on the CPU engine (sets DSA_DETERMINISTIC=1; README: cost)")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -226,6 +228,7 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=_SAMPLING.seed,
                    help="sampling seed, each prompt's generator seeded with it (default: unseeded)")
     g.add_argument("--stop", action="append", help="a stop string (repeat for several; default: none)")
+    g.add_argument("--deterministic", action="store_true", help=DETERMINISTIC_HELP)
     g.set_defaults(fn=_generate)
     s = sub.add_parser("serve", help="serve the engine with Triton (decoupled python model, TRT-LLM schema)",
                        formatter_class=_HelpFormatter)
@@ -239,6 +242,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--metrics-port", type=int, default=8002, help="Prometheus metrics port")
     s.add_argument("--num-pages", type=int, default=None, help="cache pages (default: DSA_NUM_PAGES or sized)")
     s.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for the server to be ready")
+    s.add_argument("--deterministic", action="store_true", help=DETERMINISTIC_HELP)
     s.set_defaults(fn=_serve)
     b = sub.add_parser("bench", help="offline throughput and latency over N prompts", formatter_class=_HelpFormatter)
     b.add_argument("--engine", required=True, help="engine directory written by `make engine`")
@@ -248,6 +252,7 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--temperature", type=float, default=_SAMPLING.temperature, help="sampling temperature; 0 = greedy")
     b.add_argument("--seed", type=int, default=0, help="seed of the random prompts; prompt i samples with seed + i")
     b.add_argument("--num-pages", type=int, default=None, help="cache pages (default: DSA_NUM_PAGES or sized)")
+    b.add_argument("--deterministic", action="store_true", help=DETERMINISTIC_HELP)
     b.set_defaults(fn=_bench)
     _add_plan_parser(sub)
     return ap
@@ -256,6 +261,8 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     a = parser().parse_args(argv)
     a.argv = list(sys.argv[1:] if argv is None else argv)
+    if getattr(a, "deterministic", False):  # read by every LLM this process or its children start
+        os.environ["DSA_DETERMINISTIC"] = "1"
     try:
         return a.fn(a)
     except (EngineDirError, ValueError) as e:

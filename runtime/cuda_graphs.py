@@ -65,13 +65,15 @@ class CudaGraphRunner:
     """Wraps an Engine: decode-only steps go through captured graphs, everything else runs eagerly."""
 
     def __init__(self, engine: Engine, mla_pools: list[torch.Tensor], index_pools: list[torch.Tensor],
-                 max_batch: int | None = None):
+                 max_batch: int | None = None, min_batch: int = 1):
         if engine.device.type != "cuda":
             raise ValueError("CUDA graphs need an engine on a CUDA device")
         self.engine = engine
         self.pools = (mla_pools, index_pools)
         cap = min(max_batch or engine.config.max_batch, engine.config.max_batch)
-        self.buckets = tuple(b for b in BATCH_BUCKETS if b <= cap)
+        # min_batch: the deterministic mode keeps every replayed batch a multiple of its token block
+        self.buckets = tuple(b for b in BATCH_BUCKETS if min_batch <= b <= max(cap, min_batch))
+        self.min_batch = min_batch
         self.max_width = engine.config.max_pages_per_seq
         self._graphs: dict[tuple[int, int], _Graph] = {}
         self._pool_handle = torch.cuda.graph_pool_handle()
@@ -79,7 +81,7 @@ class CudaGraphRunner:
     @staticmethod
     def is_decode(step: StepInputs) -> bool:
         # one token per sequence, each sequence's logits row is its token
-        return (not step.dense_prefill and step.input_ids.shape[0] == step.page_table.shape[0]
+        return (step.input_ids.shape[0] == step.page_table.shape[0]
                 and step.logits_indices.shape[0] == step.input_ids.shape[0])
 
     def forward(self, step: StepInputs) -> torch.Tensor:
@@ -87,7 +89,7 @@ class CudaGraphRunner:
         b = _bucket(batch, self.buckets)
         w = _bucket(width, [MIN_WIDTH << i for i in range(32) if (MIN_WIDTH << i) <= max(self.max_width, MIN_WIDTH)])
         if not self.is_decode(step) or b is None or w is None:
-            return self.engine.forward(step, *self.pools)
+            return self.engine.forward(step.pad_tokens(self.min_batch), *self.pools)
         key = (b, w)
         if key not in self._graphs:
             self._graphs[key] = _Graph(self.engine, b, w, self.pools, self._pool_handle)

@@ -34,11 +34,10 @@ T = TypeVar("T")
 
 CMD_STOP, CMD_STEP = 0, 1
 # header: cmd, the size of every STEP_DIMS dim (tokens, batch, pages_per_seq, logit_rows), then
-# dense_prefill and the pool's page count; the payload carries the StepInputs fields (STEP_FIELDS
+# the pool's page count; the payload carries the StepInputs fields (STEP_FIELDS
 # order) as one int64 vector, each field restored to its own dtype on the receiving rank
 DIMS_AT = 1
-DENSE_AT = DIMS_AT + len(STEP_DIMS)
-POOL_PAGES_AT = DENSE_AT + 1
+POOL_PAGES_AT = DIMS_AT + len(STEP_DIMS)
 HEADER_LEN = POOL_PAGES_AT + 1
 
 
@@ -60,13 +59,13 @@ def init_process_group(device: str | None = None) -> tuple[int, int, torch.devic
 
 
 def _shapes(header: list[int]) -> list[tuple[int, ...]]:
-    sizes = dict(zip((d.name for d in STEP_DIMS), header[DIMS_AT:DENSE_AT]))
+    sizes = dict(zip((d.name for d in STEP_DIMS), header[DIMS_AT:POOL_PAGES_AT]))
     return [tuple(sizes[d] for d in f.dims) for f in STEP_FIELDS]
 
 
 def _pack(step: StepInputs, num_pages: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     sizes = step.dim_sizes()
-    header = [CMD_STEP, *(sizes[d.name] for d in STEP_DIMS), int(step.dense_prefill), num_pages]
+    header = [CMD_STEP, *(sizes[d.name] for d in STEP_DIMS), num_pages]
     payload = torch.cat([x.reshape(-1).to(device=device, dtype=torch.int64) for x in step.as_tuple()])
     return torch.tensor(header, dtype=torch.int64, device=device), payload
 
@@ -77,7 +76,7 @@ def _unpack(header: list[int], payload: torch.Tensor) -> StepInputs:
         n = torch.Size(shape).numel()
         parts.append(payload[at : at + n].view(shape).to(f.dtype))
         at += n
-    return StepInputs(*parts, dense_prefill=bool(header[DENSE_AT]))
+    return StepInputs(*parts)
 
 
 def _payload_len(header: list[int]) -> int:
@@ -88,7 +87,7 @@ class DistributedEngine(Engine):
     """Rank 0's engine: the same interface as ``Engine``; each forward is mirrored on every rank."""
 
     def __init__(self, engine: Engine):
-        super().__init__(engine.config, engine._sparse, engine._dense, engine.device, engine.tokenizer_path)
+        super().__init__(engine.config, engine.program, engine.device, engine.tokenizer_path)
         self._stopped = False
 
     @torch.no_grad()

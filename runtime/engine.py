@@ -1,8 +1,7 @@
 """Engines: one per rank, ``forward(step, mla_pools, index_pools) -> logits`` (docs/architecture.md §6).
 
-``Engine.load(engine_dir)`` opens the compiled programs of an engine directory: the general
-(sparse) program and the dense-prefill program, picked per step by ``StepInputs.dense_prefill``.
-Both AOTInductor packages and TensorRT plans implement the same call; the eager network (the
+``Engine.load(engine_dir)`` opens the compiled program of one rank of an engine directory; every
+step, prefill or decode, runs it (one path for every token: docs/architecture.md §8). Both AOTInductor packages and TensorRT plans implement the same call; the eager network (the
 reference path, built by the builder) implements it too.
 """
 
@@ -27,13 +26,12 @@ Program = Callable[..., torch.Tensor]
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, sparse: Program, dense: Program | None, device: torch.device,
+    def __init__(self, config: EngineConfig, program: Program, device: torch.device,
                  tokenizer_path: Path | None = None):
         self.config = config
         self.tokenizer_path = tokenizer_path
         self.device = device
-        self._sparse = sparse
-        self._dense = dense
+        self.program = program
 
     @classmethod
     def load(cls, engine_dir: str | Path, rank: int = 0, device: str | None = None) -> "Engine":
@@ -54,21 +52,18 @@ class Engine:
             except RuntimeError as e:
                 raise EngineDirError(str(e)) from e
         if cfg.compiler == "aoti":
-            sparse = _load_aoti(engine_dir / cfg.rank_file(rank), dev)
-            dense = _load_aoti(engine_dir / cfg.rank_file(rank, dense=True), dev)
+            program = _load_aoti(engine_dir / cfg.rank_file(rank), dev)
         elif cfg.compiler == "tensorrt":
             from .tensorrt_engine import load_plan  # thin adapter; needs `import tensorrt`
 
-            sparse = load_plan(engine_dir, cfg, rank, dense=False)
-            dense = load_plan(engine_dir, cfg, rank, dense=True)
+            program = load_plan(engine_dir, cfg, rank)
         else:
             raise EngineDirError(f"{engine_dir}: compiler {cfg.compiler!r} has no runtime loader")
-        return cls(cfg, sparse, dense, dev, engine_dir / cfg.tokenizer)
+        return cls(cfg, program, dev, engine_dir / cfg.tokenizer)
 
     @torch.no_grad()
     def forward(self, step: StepInputs, mla_pools: list[torch.Tensor], index_pools: list[torch.Tensor]) -> torch.Tensor:
-        program = self._dense if (step.dense_prefill and self._dense is not None) else self._sparse
-        return program(*step.as_tuple(), mla_pools, index_pools)
+        return self.program(*step.as_tuple(), mla_pools, index_pools)
 
 
 def _load_aoti(path: Path, device: torch.device) -> Program:
@@ -97,6 +92,6 @@ def _load_aoti(path: Path, device: torch.device) -> Program:
                                  "it may come from another torch version or device: rebuild it") from e
 
 
-def eager_engine(net_sparse, net_dense, config: EngineConfig, device: torch.device, tokenizer_path: Path) -> Engine:
+def eager_engine(net, config: EngineConfig, device: torch.device, tokenizer_path: Path) -> Engine:
     """The reference path: the eager network wrapped as an Engine (same interface)."""
-    return Engine(config, net_sparse, net_dense, device, Path(tokenizer_path))
+    return Engine(config, net, device, Path(tokenizer_path))

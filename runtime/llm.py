@@ -26,6 +26,7 @@ from .sampling import SamplingParams, make_generator, sample
 from .scheduler import Request, Scheduler
 from .tokenizer import Tokenizer
 
+DETERMINISTIC_TOKEN_BLOCK = 16  # rows per linear block in the deterministic mode (docs/architecture.md §8)
 DEFAULT_CPU_PAGES = 512  # 32K tokens of cache on the CPU unless DSA_NUM_PAGES says otherwise
 
 
@@ -59,8 +60,14 @@ class StepDelta:
 
 class LLM:
     def __init__(self, engine: str | Path | Engine, num_pages: int | None = None,
-                 cache_fraction: float | None = None, max_num_tokens: int | None = None, max_num_seqs: int = 256):
+                 cache_fraction: float | None = None, max_num_tokens: int | None = None, max_num_seqs: int = 256,
+                 deterministic: bool | None = None):
+        """deterministic (default: DSA_DETERMINISTIC): pad every step to a multiple of
+        DETERMINISTIC_TOKEN_BLOCK tokens, so a request's logits are bitwise the same whatever it is
+        batched with on the CPU engine (the default path already gives every row the same program
+        and per-row kernels; its linears' rounding may still depend on the step's row count)."""
         knobs.validate_environment()  # a bad DSA_* value fails here, naming the variable
+        self.deterministic = knobs.get("DSA_DETERMINISTIC") == "1" if deterministic is None else bool(deterministic)
         self.engine = engine if isinstance(engine, Engine) else Engine.load(engine)
         cfg = self.engine.config
         self.model_config = cfg.model
@@ -75,7 +82,8 @@ class LLM:
         if self.device.type == "cuda" and knobs.get("DSA_CUDA_GRAPHS") == "1":
             from .cuda_graphs import CudaGraphRunner
 
-            self.graphs = CudaGraphRunner(self.engine, self.mla_pools, self.index_pools, max_num_seqs)
+            self.graphs = CudaGraphRunner(self.engine, self.mla_pools, self.index_pools, max_num_seqs,
+                                          min_batch=DETERMINISTIC_TOKEN_BLOCK if self.deterministic else 1)
         # What one sequence can hold: positions, page-table width, and the whole pool (a request
         # longer than the pool could only be cut short). Requests beyond it are refused at add.
         self.limits = {
@@ -87,7 +95,7 @@ class LLM:
         self.scheduler = Scheduler(
             self.pool, max_num_tokens=min(max_num_tokens or cfg.max_num_tokens, cfg.max_num_tokens),
             max_num_seqs=min(max_num_seqs, cfg.max_batch), max_model_len=self.max_model_len,
-            index_topk=cfg.model.index_topk, eos_token_ids=cfg.model.eos_token_id,
+            eos_token_ids=cfg.model.eos_token_id,
             max_model_len_note=", ".join(f"{k} {v}" for k, v in self.limits.items()),
         )
         self._outputs: dict[str, CompletionOutput] = {}
@@ -181,8 +189,10 @@ class LLM:
             try:
                 inputs = step.inputs.to(self.device)
                 if self.graphs is not None:
-                    logits = self.graphs.forward(inputs)
+                    logits = self.graphs.forward(inputs)  # pads its eager steps like the branch below
                 else:
+                    if self.deterministic:
+                        inputs = inputs.pad_tokens(DETERMINISTIC_TOKEN_BLOCK)
                     logits = self.engine.forward(inputs, self.mla_pools, self.index_pools)
                 rows = step.sample_rows.to(self.device)
                 out = sample(logits[rows], **step.sampling_args())

@@ -115,17 +115,14 @@ class Scheduler:
         max_num_tokens: int,
         max_num_seqs: int,
         max_model_len: int,
-        index_topk: int,
         eos_token_ids: Sequence[int] = (),
         max_model_len_note: str = "",
     ) -> None:
         """max_num_tokens: token budget per step (when more requests decode than it allows, the
-        oldest go first and the rest wait a step); index_topk: ModelConfig.index_topk (decides
-        StepInputs.dense_prefill); eos_token_ids: ModelConfig.eos_token_id; max_model_len_note:
+        oldest go first and the rest wait a step); eos_token_ids: ModelConfig.eos_token_id; max_model_len_note:
         where max_model_len comes from (the limits it is the min of), for the refusal message."""
         limits = dict(
-            max_num_tokens=max_num_tokens, max_num_seqs=max_num_seqs, max_model_len=max_model_len, index_topk=index_topk
-        )
+            max_num_tokens=max_num_tokens, max_num_seqs=max_num_seqs, max_model_len=max_model_len)
         for name, v in limits.items():
             if v < 1:
                 raise ValueError(f"Scheduler: {name}={v} must be >= 1")
@@ -134,7 +131,6 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.max_model_len_note = max_model_len_note
-        self.index_topk = index_topk
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # sorted by arrival
@@ -245,7 +241,6 @@ class Scheduler:
         seqs = [ScheduledSeq(r, r.num_computed, n, r.num_computed + n == len(r.token_ids)) for r, n in plan.items()]
         inputs = StepInputs.build(
             [(s.request.token_ids[s.start : s.start + s.num_tokens], s.start, s.request.pages) for s in seqs],
-            index_topk=self.index_topk,
         )
         rows = torch.tensor([b for b, s in enumerate(seqs) if s.samples], dtype=torch.int64)
         self._in_flight = ScheduledStep(inputs, seqs, rows, preempted)

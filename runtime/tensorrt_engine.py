@@ -136,10 +136,10 @@ class TensorRTProgram:
         return t
 
 
-def load_plan(engine_dir: str | Path, cfg: EngineConfig, rank: int, dense: bool) -> TensorRTProgram:
-    """The plan rank<rank>[.dense].plan of an engine directory, its plugin library loaded first."""
+def load_plan(engine_dir: str | Path, cfg: EngineConfig, rank: int) -> TensorRTProgram:
+    """The plan rank<rank>.plan of an engine directory, its plugin library loaded first."""
     engine_dir = Path(engine_dir)
-    path = engine_dir / cfg.rank_file(rank, dense=dense)
+    path = engine_dir / cfg.rank_file(rank)
     if not path.is_file():
         raise EngineDirError(f"{path}: missing; rebuild the engine directory with `make engine`")
     trt = _tensorrt()

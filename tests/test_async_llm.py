@@ -30,8 +30,8 @@ def eager(tiny_ckpt):
     ckpt = Checkpoint(tiny_ckpt)
     cfg = EngineConfig(model=ckpt.config, cache_mode="fp32", dtype="float32", device="cpu", compiler="eager",
                        kv_scales=[1.0] * ckpt.config.num_hidden_layers)
-    nets = [build_network(ckpt, "fp32", torch.float32, cfg.kv_scales, dense_prefill=d) for d in (False, True)]
-    return eager_engine(nets[0], nets[1], cfg, torch.device("cpu"), ckpt.tokenizer_path)
+    net = build_network(ckpt, "fp32", torch.float32, cfg.kv_scales)
+    return eager_engine(net, cfg, torch.device("cpu"), ckpt.tokenizer_path)
 
 
 def new_llm(engine) -> LLM:

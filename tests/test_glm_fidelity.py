@@ -41,11 +41,11 @@ def test_glm_prefill_and_decode_match_hf(glm, length):
     pools = allocate_pools(cfg, "fp32", 16)
     pages = [9, 4]
     n = len(ids) - 3
-    step = StepInputs.build([(ids[:n], 0, pages)], cfg.index_topk, logits_for="all")
+    step = StepInputs.build([(ids[:n], 0, pages)], logits_for="all")
     with torch.no_grad():
         out = net(*step.as_tuple(), *pools)
         errs = [(out - ref[:n]).abs().max().item()]
         for p in range(n, len(ids)):  # decode through the same pages
-            o = net(*StepInputs.build([([ids[p]], p, pages)], cfg.index_topk).as_tuple(), *pools)
+            o = net(*StepInputs.build([([ids[p]], p, pages)]).as_tuple(), *pools)
             errs.append((o[0] - ref[p]).abs().max().item())
     assert max(errs) < EXACT_TOL, f"GLM T={length}: max |logit diff| per stage {['%.2g' % e for e in errs]}"

@@ -5,12 +5,11 @@ CPU, every machine:
   attributes (types and values: kv_scale is the engine's calibrated per-layer scale, k = index_topk,
   head counts), the wiring the plugins' aliasing relies on, onnx.checker, `polygraphy inspect model`,
   the TensorRT plugin contract (tensorrt_problems) and the optimisation profile;
-* the emitted graph run by ONNX Runtime against torch: the dense-prefill logits (plugin-free: the
-  cache writes only feed the pool outputs), the plugin inputs of the sparse program up to layer 0's
-  plugins (incl. the explicit FP8 QuantizeLinear of the indexer query), and the whole sparse and
-  dense programs with every plugin node resolved to an ONNX reference function of the same name
+* the emitted graph run by ONNX Runtime against torch: the plugin inputs of the program up to layer
+  0's plugins (incl. the explicit FP8 QuantizeLinear of the indexer query), and the whole program
+  with every plugin node resolved to an ONNX reference function of the same name
   (REFERENCE_FUNCTIONS below, written from plugins/reference.py's semantics), which checks the
-  plugin nodes' input order, attributes and the pool threading, over two steps.
+  plugin nodes' input order, attributes and the pool threading, over three steps.
 These use float32 networks with bf16 or fp8 caches: ONNX Runtime's CPU provider has no bf16 MatMul.
 
 TensorRT (skipped unless `import tensorrt` works, a GPU is present and the plugin library is built):
@@ -48,7 +47,7 @@ from dsa_trt.runtime.step_inputs import StepInputs
 
 REPO = Path(__file__).resolve().parents[1]
 PLUGINS = ("DsaMlaCacheWrite", "DsaIndexerKCacheWrite", "DsaIndexerLogits", "DsaTopkTranslate", "DsaSparseMla")
-PER_LAYER = {False: Counter(PLUGINS), True: Counter(PLUGINS[:2])}  # dense_prefill -> nodes per layer
+PER_LAYER = Counter(PLUGINS)  # plugin nodes per decoder layer
 FIELDS = {  # PLUGINS.md: field -> ONNX attribute type
     "DsaMlaCacheWrite": {"kv_scale": "FLOAT", "cache_format": "INT"},
     "DsaIndexerKCacheWrite": {"cache_format": "INT"},
@@ -76,20 +75,20 @@ def emitted(tiny_ckpt, tmp_path_factory):
         mp.setattr(build_module, "compile_package", lambda ep, package_path: Path(package_path).touch())
         cfg = build_engine(tiny_ckpt, out, cache_mode="fp8", compiler="aoti", device="cpu", dtype="bfloat16",
                            emit_onnx=True)
-    files = {dense: out / "onnx" / f"rank0{'.dense' if dense else ''}.onnx" for dense in (False, True)}
-    return cfg, files, {dense: onnx.load(str(f)) for dense, f in files.items()}
+    path = out / "onnx" / "rank0.onnx"
+    return cfg, path, onnx.load(str(path))
 
 
 @pytest.fixture(scope="module")
 def f32_graphs(ckpt, tmp_path_factory):
-    """float32 networks exported to ONNX for ONNX Runtime: (cache_mode, dense) -> (net, ep, model)."""
+    """float32 networks exported to ONNX for ONNX Runtime: cache_mode -> (net, ep, model)."""
     out = tmp_path_factory.mktemp("f32")
     graphs = {}
-    for mode, dense in (("bf16", False), ("bf16", True), ("fp8", False)):
-        net = build_network(ckpt, mode, torch.float32, F32_KV_SCALES, dense_prefill=dense)
+    for mode in ("bf16", "fp8"):
+        net = build_network(ckpt, mode, torch.float32, F32_KV_SCALES)
         ep = export_program(net)
-        path = export_onnx(ep, out / f"{mode}{'.dense' if dense else ''}.onnx")
-        graphs[mode, dense] = net, ep, onnx.load(str(path))
+        path = export_onnx(ep, out / f"{mode}.onnx")
+        graphs[mode] = net, ep, onnx.load(str(path))
     return graphs
 
 
@@ -169,15 +168,14 @@ def feeds(session, step: StepInputs, mla: list[torch.Tensor], idx: list[torch.Te
 
 
 def steps(cfg) -> tuple[StepInputs, StepInputs, StepInputs]:
-    """A ragged sparse prefill over scattered pages (longer than index_topk: the top-k selects), a
-    decode step over those caches, and a dense prefill; logits for every token of the prefills."""
-    prefill = StepInputs.build([(list(range(2, 92)), 0, [7, 3]), (list(range(5, 35)), 0, [11])], cfg.index_topk,
+    """A ragged prefill over scattered pages (longer than index_topk: the top-k selects), a decode
+    step over those caches, and a short fresh prefill; logits for every token of the prefills."""
+    prefill = StepInputs.build([(list(range(2, 92)), 0, [7, 3]), (list(range(5, 35)), 0, [11])],
                                logits_for="all")
-    decode = StepInputs.build([([17], 90, [7, 3]), ([9], 30, [11])], cfg.index_topk)
-    dense = StepInputs.build([(list(range(40, 52)), 0, [5]), (list(range(60, 65)), 0, [9])], cfg.index_topk,
+    decode = StepInputs.build([([17], 90, [7, 3]), ([9], 30, [11])])
+    short = StepInputs.build([(list(range(40, 52)), 0, [5]), (list(range(60, 65)), 0, [9])],
                              logits_for="all")
-    assert not prefill.dense_prefill and dense.dense_prefill
-    return prefill, decode, dense
+    return prefill, decode, short
 
 
 def random_pools(cfg, mode: str, num_pages: int = 16):
@@ -190,26 +188,23 @@ def random_pools(cfg, mode: str, num_pages: int = 16):
 
 
 # ================================================================ inventory, attributes, wiring
-@pytest.mark.parametrize("dense", [False, True], ids=["sparse", "dense"])
-def test_plugin_node_inventory(emitted, dense):
-    cfg, _, models = emitted
-    model = models[dense]
+def test_plugin_node_inventory(emitted):
+    cfg, _, model = emitted
     made_by = producers(model)
     per_layer = Counter((layer_of(n, made_by), n.op_type) for n in dsa_nodes(model))
     for layer in range(cfg.model.num_hidden_layers):
         got = Counter({op: c for (lay, op), c in per_layer.items() if lay == layer})
-        assert got == PER_LAYER[dense], f"layer {layer}: {dict(got)} != {dict(PER_LAYER[dense])}"
-    assert len(dsa_nodes(model)) == cfg.model.num_hidden_layers * sum(PER_LAYER[dense].values())
+        assert got == PER_LAYER, f"layer {layer}: {dict(got)} != {dict(PER_LAYER)}"
+    assert len(dsa_nodes(model)) == cfg.model.num_hidden_layers * sum(PER_LAYER.values())
     assert {n.domain for n in model.graph.node} == {"", "dsa"}
     assert {o.domain: o.version for o in model.opset_import} == {"": 21, "dsa": 1}
     assert not [n for n in model.graph.node if n.op_type == "Einsum"], "Einsum has no bf16 in ONNX"
 
 
-@pytest.mark.parametrize("dense", [False, True], ids=["sparse", "dense"])
-def test_plugin_attributes(emitted, dense):
+def test_plugin_attributes(emitted):
     """Every field of PLUGINS.md, with its ONNX type, and nothing else; values from the engine config."""
-    cfg, _, models = emitted
-    model, m = models[dense], cfg.model
+    cfg, _, model = emitted
+    m = cfg.model
     made_by = producers(model)
     for node in dsa_nodes(model):
         layer = layer_of(node, made_by)
@@ -225,10 +220,9 @@ def test_plugin_attributes(emitted, dense):
     assert all(0 < s < 1 for s in cfg.kv_scales), "calibrated scales expected for the tiny model"
 
 
-def test_sparse_wiring(emitted):
+def test_wiring(emitted):
     """The data edges TensorRT orders by: readers take the cache writes' outputs (the aliased pools)."""
-    _, _, models = emitted
-    model = models[False]
+    _, _, model = emitted
     made_by = producers(model)
     for node in dsa_nodes(model):
         src = {i: made_by.get(x) for i, x in enumerate(node.input)}
@@ -250,10 +244,9 @@ def test_sparse_wiring(emitted):
             assert {n.domain for n in model.graph.node if v.name in n.input} == {"dsa"}
 
 
-@pytest.mark.parametrize("dense", [False, True], ids=["sparse", "dense"])
-def test_graph_io(emitted, dense):
-    cfg, _, models = emitted
-    model, layers = models[dense], cfg.model.num_hidden_layers
+def test_graph_io(emitted):
+    cfg, _, model = emitted
+    layers = cfg.model.num_hidden_layers
 
     def sig(values):
         return [(v.name, TensorProto.DataType.Name(v.type.tensor_type.elem_type),
@@ -271,33 +264,31 @@ def test_graph_io(emitted, dense):
 
 
 def test_checker_and_polygraphy(emitted):
-    _, files, models = emitted
+    _, path, model = emitted
     polygraphy = Path(sys.executable).with_name("polygraphy")  # the console script of the build extra
     if not polygraphy.is_file():
         polygraphy = shutil.which("polygraphy")
     assert polygraphy, "polygraphy is not installed (pip install -e '.[build]')"
-    for dense, path in files.items():
-        onnx.checker.check_model(models[dense], full_check=True)
-        r = subprocess.run([str(polygraphy), "inspect", "model", str(path), "--show", "layers"],
-                           capture_output=True, text=True, timeout=120)
-        log = r.stdout + r.stderr
-        assert r.returncode == 0, log[-4000:]
-        assert "Other Opsets: {'dsa': 1}" in log
-        for op in PER_LAYER[dense]:
-            assert f"Op: {op}" in log, f"polygraphy does not list {op}"
+    onnx.checker.check_model(model, full_check=True)
+    r = subprocess.run([str(polygraphy), "inspect", "model", str(path), "--show", "layers"],
+                       capture_output=True, text=True, timeout=120)
+    log = r.stdout + r.stderr
+    assert r.returncode == 0, log[-4000:]
+    assert "Other Opsets: {'dsa': 1}" in log
+    for op in PER_LAYER:
+        assert f"Op: {op}" in log, f"polygraphy does not list {op}"
 
 
 def test_tensorrt_contract_and_profile(emitted, f32_graphs, tmp_path):
-    cfg, _, models = emitted
-    for model in models.values():
-        assert tensorrt_problems(model) == []
-        shapes = profile_shapes(model, Profile.from_limits(cfg.max_num_tokens, cfg.max_batch, cfg.max_pages_per_seq))
-        assert set(shapes) == {v.name for v in model.graph.input}
-        assert shapes["input_ids"] == ((1,), (256,), (cfg.max_num_tokens,))
-        assert shapes["page_table"][2] == (cfg.max_batch, cfg.max_pages_per_seq)
-        assert all(np.prod(s[2]) <= MAX_TENSOR_VOLUME for s in shapes.values())
+    cfg, _, model = emitted
+    assert tensorrt_problems(model) == []
+    shapes = profile_shapes(model, Profile.from_limits(cfg.max_num_tokens, cfg.max_batch, cfg.max_pages_per_seq))
+    assert set(shapes) == {v.name for v in model.graph.input}
+    assert shapes["input_ids"] == ((1,), (256,), (cfg.max_num_tokens,))
+    assert shapes["page_table"][2] == (cfg.max_batch, cfg.max_pages_per_seq)
+    assert all(np.prod(s[2]) <= MAX_TENSOR_VOLUME for s in shapes.values())
     # a float32 network's graph: the plugins take bf16 activations; the builder says so before TensorRT
-    _, _, f32 = f32_graphs["bf16", False]
+    _, _, f32 = f32_graphs["bf16"]
     problems = tensorrt_problems(f32)
     assert any("DsaMlaCacheWrite" in p and "is FLOAT; TensorRT needs BFLOAT16" in p for p in problems), problems
     path = tmp_path / "f32.onnx"
@@ -320,7 +311,7 @@ def test_build_options():
 def test_functional_program_equals_network(f32_graphs, ckpt):
     """The rewrite ONNX export starts from (in-place cache writes -> functional ops + pool outputs)
     computes what the network computes, pools included."""
-    net, ep, _ = f32_graphs["bf16", False]
+    net, ep, _ = f32_graphs["bf16"]
     fn, pools = functionalize(ep)
     assert pools == [f"mla_pools_{i}" for i in range(3)] + [f"index_pools_{i}" for i in range(3)]
     step = steps(ckpt.config)[0]
@@ -331,22 +322,6 @@ def test_functional_program_equals_network(f32_graphs, ckpt):
     torch.testing.assert_close(got[0], want, rtol=0, atol=0)
     for g, w in zip(got[1:], mla + idx):
         torch.testing.assert_close(g, w, rtol=0, atol=0)
-
-
-def test_dense_logits_are_plugin_free(f32_graphs, ckpt):
-    """Item 2 literally: the dense-prefill graph's logits depend on no plugin node; ONNX Runtime runs that
-    emitted subgraph and matches torch (fp32 math both sides: summation order only -> 1e-5 of max |logit|)."""
-    net, _, model = f32_graphs["bf16", True]
-    sub = prune(model, ["logits"])
-    assert not dsa_nodes(sub) and len(sub.graph.node) > 100
-    step = steps(ckpt.config)[2]
-    mla, idx = random_pools(ckpt.config, "bf16")
-    sess = ort_session(sub)
-    got = torch.from_numpy(sess.run(["logits"], feeds(sess, step, mla, idx))[0])
-    with torch.no_grad():
-        want = net(*step.as_tuple(), mla, idx)
-    err = (got - want).abs().max().item() / want.abs().max().item()
-    assert err < 1e-5, f"dense logits: ONNX Runtime vs torch max |diff| {err:.2e} of max |logit|"
 
 
 class CaptureDsaOps(TorchDispatchMode):
@@ -367,7 +342,7 @@ def test_fp8_plugin_inputs_match_torch(f32_graphs, ckpt):
     weights, the latent, the indexer key, the absorbed query) is plugin-free upstream; ONNX Runtime
     computes it as torch does. fp8: an fp32 reassociation can move an input across an e4m3 rounding
     boundary (one step = 2^-3 relative) -> a handful of entries may differ by one step."""
-    net, _, model = f32_graphs["fp8", False]
+    net, _, model = f32_graphs["fp8"]
     made_by = producers(model)
     layer0 = {n.op_type: n for n in dsa_nodes(model) if layer_of(n, made_by) == 0}
     wanted = {("mla_cache_write", 0): layer0["DsaMlaCacheWrite"].input[0],
@@ -544,19 +519,17 @@ def with_reference(model: onnx.ModelProto) -> onnx.ModelProto:
     return m
 
 
-@pytest.mark.parametrize("dense", [False, True], ids=["sparse", "dense"])
-def test_whole_graph_with_reference_plugins(f32_graphs, ckpt, dense):
+def test_whole_graph_with_reference_plugins(f32_graphs, ckpt):
     """Every plugin node resolved to its reference function: the full emitted graph in ONNX Runtime
-    against the network over two steps (sparse: a prefill, then a decode reading the pools the prefill
-    wrote; dense: one prefill), logits and every pool after each step.
+    against the network over three steps (a prefill, a decode reading the pools the prefill wrote,
+    a short fresh prefill), logits and every pool after each step.
     Tolerances: fp32 math on both sides, but the bf16 caches round what they store: when fp32
     reassociation moves a value across a bf16 rounding boundary, that entry differs by one bf16 step
     (2^-8..2^-7 relative) and the logits downstream move by ~1e-4 of their scale; a top-k near-tie
     flipping a selection would show as a far larger error."""
-    net, _, model = f32_graphs["bf16", dense]
+    net, _, model = f32_graphs["bf16"]
     sess = ort_session(with_reference(model))
-    prefill, decode, dense_step = steps(ckpt.config)
-    run = [dense_step] if dense else [prefill, decode]
+    run = steps(ckpt.config)
     mla, idx = random_pools(ckpt.config, "bf16")
     o_mla, o_idx = [p.clone() for p in mla], [p.clone() for p in idx]
     for i, step in enumerate(run):
@@ -613,7 +586,7 @@ def test_tensorrt_plan_matches_aoti(tiny_ckpt, tmp_path, cache_mode):
     cfg = EngineConfig.load(dirs["tensorrt"])
     assert cfg.compiler == "tensorrt" and (dirs["tensorrt"] / cfg.plugin_library).is_file()
     engines = {c: Engine.load(d) for c, d in dirs.items()}
-    plan = engines["tensorrt"]._sparse
+    plan = engines["tensorrt"].program
     assert all(src is not None for src in plan.aliased.values()), f"pools copied, not aliased: {plan.aliased}"
     pools = {c: allocate_pools(cfg.model, cache_mode, 16, device="cuda") for c in dirs}
     for i, step in enumerate(steps(cfg.model)):

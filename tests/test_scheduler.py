@@ -23,7 +23,6 @@ from dsa_trt.runtime.scheduler import Request, RequestState, Scheduler
 from dsa_trt.runtime.step_inputs import StepInputs
 
 VOCAB = 40
-INDEX_TOPK = 2048
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
@@ -56,7 +55,7 @@ def prompt(n: int, seed: int) -> list[int]:
 
 
 def make(num_pages: int, max_num_tokens: int = 256, max_num_seqs: int = 8, **kw) -> Scheduler:
-    return Scheduler(PagePool(num_pages), max_num_tokens, max_num_seqs, max_model_len=1024, index_topk=INDEX_TOPK, **kw)
+    return Scheduler(PagePool(num_pages), max_num_tokens, max_num_seqs, max_model_len=1024, **kw)
 
 
 def check_refcounts(sched: Scheduler) -> None:
@@ -135,7 +134,6 @@ def test_chunked_prefill_splits_a_long_prompt_under_the_budget():
     for _ in range(3):
         step = sched.schedule()
         sizes.append([(s.start, s.num_tokens, s.samples) for s in step.seqs])
-        assert step.inputs.dense_prefill == (step.seqs[0].start == 0)
         logits = engine.forward(step.inputs)
         sched.update(step, sample(logits[step.sample_rows], **step.sampling_args()).token_ids)
     assert sizes == [[(0, 128, False)], [(128, 128, False)], [(256, 44, True)]]
@@ -238,7 +236,7 @@ def test_add_rejects_requests_that_can_never_be_served():
     with pytest.raises(ValueError, match="'e' is already active"):
         sched.add("e", [1, 2], SamplingParams())
     with pytest.raises(ValueError, match="max_num_tokens=0"):
-        Scheduler(PagePool(4), 0, 8, 1024, INDEX_TOPK)
+        Scheduler(PagePool(4), 0, 8, 1024)
 
 
 def test_preempted_request_goes_to_the_front_and_reuses_its_cached_pages():

@@ -25,9 +25,9 @@ from dsa_trt.runtime.triton.repository import step_model_io
 
 def _steps(topk: int) -> dict[str, S.StepInputs]:
     return {
-        "prefill": S.StepInputs.build([(list(range(2, 92)), 0, [7, 3]), (list(range(5, 35)), 0, [11])], topk),
-        "decode": S.StepInputs.build([([17], 90, [7, 3]), ([9], 30, [11])], topk),
-        "mixed_all_logits": S.StepInputs.build([(list(range(3, 13)), 60, [4, 2]), ([5], 7, [9])], topk,
+        "prefill": S.StepInputs.build([(list(range(2, 92)), 0, [7, 3]), (list(range(5, 35)), 0, [11])]),
+        "decode": S.StepInputs.build([([17], 90, [7, 3]), ([9], 30, [11])]),
+        "mixed_all_logits": S.StepInputs.build([(list(range(3, 13)), 60, [4, 2]), ([5], 7, [9])],
                                                logits_for="all"),
     }
 
@@ -44,23 +44,19 @@ def test_built_steps_follow_the_table(name):
     step = _steps(2048)[name]
     _check_against_table(step)
     moved = step.to("cpu")
-    assert moved.dense_prefill == step.dense_prefill
     assert all(torch.equal(a, b) for a, b in zip(moved.as_tuple(), step.as_tuple()))
 
 
 def test_build_semantics():
-    step = S.StepInputs.build([(list(range(3, 13)), 60, [4, 2]), ([5], 7, [9])], 2048)
+    step = S.StepInputs.build([(list(range(3, 13)), 60, [4, 2]), ([5], 7, [9])])
     # token i of sequence 0 sits at position 60 + i: pages [4, 2] hold positions [0, 64) and [64, 128)
     expected = [(4 if p < PAGE_SIZE else 2) * PAGE_SIZE + p % PAGE_SIZE for p in range(60, 70)] + [9 * PAGE_SIZE + 7]
     assert step.slot_mapping.tolist() == expected
     assert step.req_idx.tolist() == [0] * 10 + [1] and step.logits_indices.tolist() == [9, 10]
-    assert not step.dense_prefill  # a sequence starts past position 0
-    assert S.StepInputs.build([([1, 2, 3], 0, [0])], index_topk=3).dense_prefill
-    assert not S.StepInputs.build([([1, 2, 3], 0, [0])], index_topk=2).dense_prefill
     with pytest.raises(ValueError, match="sequence 0: 1 pages cannot hold 65 tokens"):
-        S.StepInputs.build([(list(range(65)), 0, [0])], 2048)
+        S.StepInputs.build([(list(range(65)), 0, [0])])
     with pytest.raises(ValueError, match="sequence 1 has no new tokens"):
-        S.StepInputs.build([([1], 0, [0]), ([], 0, [1])], 2048)
+        S.StepInputs.build([([1], 0, [0]), ([], 0, [1])])
 
 
 def test_network_takes_the_table_inputs_in_order():
@@ -77,7 +73,6 @@ def test_tensor_parallel_broadcast_round_trip(name):
     assert len(header) == distributed.HEADER_LEN and header[distributed.POOL_PAGES_AT] == 40
     assert distributed._payload_len(header) == payload.numel()
     back = distributed._unpack(header, payload)
-    assert back.dense_prefill == step.dense_prefill
     for f, a, b in zip(S.STEP_FIELDS, back.as_tuple(), step.as_tuple()):
         assert a.dtype == b.dtype and torch.equal(a, b), f.name
 
@@ -101,9 +96,9 @@ def test_graph_bucket_holds_the_step_then_padding():
     also after a bigger step was loaded into the same buffers before."""
     sizes = {"tokens": 8, "batch": 8, "pages_per_seq": 16, "logit_rows": 8}
     static = S.StepInputs.padding(sizes)
-    bigger = S.StepInputs.build([([i + 3], 100 + i, [1, 2, 3, 4][: 2 + i % 3]) for i in range(6)], 16)
+    bigger = S.StepInputs.build([([i + 3], 100 + i, [1, 2, 3, 4][: 2 + i % 3]) for i in range(6)])
     copy_step(static, bigger)
-    step = S.StepInputs.build([([17], 90, [7, 3]), ([9], 30, [11])], 16)
+    step = S.StepInputs.build([([17], 90, [7, 3]), ([9], 30, [11])])
     copy_step(static, step)
     pad = S.StepInputs.padding(sizes)
     b, w = step.page_table.shape

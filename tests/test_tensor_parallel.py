@@ -42,11 +42,10 @@ GREEDY_STEPS = 12
 
 
 def _steps(cfg) -> list[StepInputs]:
-    """A sparse prefill (ragged, scattered pages, longer than top-k), a decode step, a dense prefill."""
-    prefill = StepInputs.build([(list(range(2, 92)), 0, [7, 3]), (list(range(5, 35)), 0, [11])], cfg.index_topk)
-    decode = StepInputs.build([([17], 90, [7, 3]), ([9], 30, [11])], cfg.index_topk)
-    dense = StepInputs.build([(list(range(40, 52)), 0, [5]), (list(range(60, 65)), 0, [9])], cfg.index_topk)
-    assert not prefill.dense_prefill and dense.dense_prefill
+    """A prefill (ragged, scattered pages, longer than top-k), a decode step, a short fresh prefill."""
+    prefill = StepInputs.build([(list(range(2, 92)), 0, [7, 3]), (list(range(5, 35)), 0, [11])])
+    decode = StepInputs.build([([17], 90, [7, 3]), ([9], 30, [11])])
+    dense = StepInputs.build([(list(range(40, 52)), 0, [5]), (list(range(60, 65)), 0, [9])])
     return [prefill, decode, dense]
 
 
@@ -58,7 +57,6 @@ def _run_steps(forward, cfg, cache_mode) -> list[torch.Tensor]:
 
 def _eager_forward(net):
     def forward(step, pools):
-        net.dense_prefill = step.dense_prefill
         return net(*step.as_tuple(), *pools)
 
     return forward
@@ -189,7 +187,7 @@ def test_compiled_tp2_engine_equals_tp1(tiny_ckpt, tp1_logits, tmp_path_factory)
     build_engine(tiny_ckpt, engine_dir, tp=TP, cache_mode="fp32", compiler="aoti", device="cpu", dtype="float32")
     cfg = EngineConfig.load(engine_dir)
     assert cfg.tp_size == TP
-    assert all((engine_dir / cfg.rank_file(r, dense=d)).is_file() for r in range(TP) for d in (False, True))
+    assert all((engine_dir / cfg.rank_file(r)).is_file() for r in range(TP))
 
     rank0, rank1 = _spawn(_compiled_worker, engine_dir.parent, str(engine_dir))
     assert rank1 == {}
@@ -197,8 +195,7 @@ def test_compiled_tp2_engine_equals_tp1(tiny_ckpt, tp1_logits, tmp_path_factory)
     print(f"[compiled TP={TP}] fp32 caches: max |logit diff| vs TP=1 {err:.2e}")
 
     ckpt = Checkpoint(tiny_ckpt)
-    nets = [build_network(ckpt, "fp32", torch.float32, dense_prefill=d) for d in (False, True)]
-    ref = LLM(eager_engine(nets[0], nets[1], dataclasses.replace(cfg, tp_size=1), torch.device("cpu"),
+    ref = LLM(eager_engine(build_network(ckpt, "fp32", torch.float32), dataclasses.replace(cfg, tp_size=1), torch.device("cpu"),
                            engine_dir / cfg.tokenizer), num_pages=2 * NUM_PAGES)
     want = [o.token_ids for o in ref.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=GREEDY_STEPS,
                                                                        ignore_eos=True))]

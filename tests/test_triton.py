@@ -373,16 +373,15 @@ def test_tensorrt_plan_model_config_text(tiny_ckpt, tmp_path):
     cfg = EngineConfig(model=model, cache_mode="fp8", dtype="bfloat16", device="cuda", compiler="tensorrt",
                        kv_scales=[1.0] * model.num_hidden_layers, plugin_library="libdsa_trt_plugins.so")
     cfg.save(engine)
-    for f in ("rank0.plan", "rank0.dense.plan", "tokenizer.json"):
+    for f in ("rank0.plan", "tokenizer.json"):
         (engine / f).write_bytes(b"")
     with pytest.raises(EngineDirError, match="plugin library"):
         write_model_repository(engine, tmp_path / "repo")
     (engine / "libdsa_trt_plugins.so").write_bytes(b"")
     repo = write_model_repository(engine, tmp_path / "repo", "dsv32")
-    assert repo.models == ["dsv32", "dsv32_step", "dsv32_step_dense"]
+    assert repo.models == ["dsv32", "dsv32_step"]
     assert repo.server_args == [f"--backend-config=tensorrt,plugins={(engine / 'libdsa_trt_plugins.so').resolve()}"]
     assert (repo.path / "dsv32_step" / "1" / "model.plan").resolve() == (engine / "rank0.plan").resolve()
-    assert (repo.path / "dsv32_step_dense" / "1" / "model.plan").resolve() == (engine / "rank0.dense.plan").resolve()
     text = (repo.path / "dsv32_step" / "config.pbtxt").read_text()
     assert text == tensorrt_step_config("dsv32_step", cfg)
     assert text.startswith('name: "dsv32_step"\nplatform: "tensorrt_plan"\nmax_batch_size: 0\n')

@@ -2,8 +2,8 @@
 
     repo/<name>/config.pbtxt       python backend, decoupled: TRT-LLM request schema (schema.py)
     repo/<name>/1/model.py         this package's model.py: AsyncLLM over the engine directory
-    repo/<name>_step/...           engines of TensorRT plans only: one `tensorrt_plan` model per
-    repo/<name>_step_dense/...     program (one forward step), needing the plugin library
+    repo/<name>_step/...           engines of TensorRT plans only: a `tensorrt_plan` model of the
+                                   program (one forward step), needing the plugin library
 
 A `tensorrt_plan` model is one engine step over caller-held caches; generation (scheduling, paged
 caches, sampling) lives in the python model, as in tensorrtllm_backend. The plugin library is
@@ -162,13 +162,11 @@ def write_model_repository(engine_dir: str | Path, repo_dir: str | Path, model_n
     written = ModelRepository(repo, [model_name])
     if cfg.compiler == "tensorrt":
         written.server_args = plugin_backend_args(engine_dir, cfg)
-        for dense, suffix in ((False, "_step"), (True, "_step_dense")):
-            name = model_name + suffix
-            d = _write_model(repo / name, tensorrt_step_config(name, cfg))
-            plan = (engine_dir / cfg.rank_file(0, dense=dense)).resolve()
-            (d / "1" / "model.plan").unlink(missing_ok=True)
-            (d / "1" / "model.plan").symlink_to(plan)
-            written.models.append(name)
+        name = model_name + "_step"
+        d = _write_model(repo / name, tensorrt_step_config(name, cfg))
+        (d / "1" / "model.plan").unlink(missing_ok=True)
+        (d / "1" / "model.plan").symlink_to((engine_dir / cfg.rank_file(0)).resolve())
+        written.models.append(name)
     return written
 
 

@@ -35,8 +35,7 @@ def teacher_forced_steps(engine_dir, tiny_ckpt, device: str, dtype: torch.dtype,
     cfg = engine.config
     ckpt = Checkpoint(tiny_ckpt)
     dtypes = [dtype] + ([torch.float32] if dtype != torch.float32 else [])
-    nets = {(dt, d): build_network(ckpt, cfg.cache_mode, dt, cfg.kv_scales, dense_prefill=d, device=device)
-            for dt in dtypes for d in (0, 1)}
+    nets = {dt: build_network(ckpt, cfg.cache_mode, dt, cfg.kv_scales, device=device) for dt in dtypes}
     tok = Tokenizer(ckpt.tokenizer_path, cfg.model.bos_token_id, cfg.model.eos_token_id)
     pools = {k: allocate_pools(cfg.model, cfg.cache_mode, 16, device=device) for k in ["compiled"] + dtypes}
     for i, prompt in enumerate(PROMPTS):
@@ -44,14 +43,14 @@ def teacher_forced_steps(engine_dir, tiny_ckpt, device: str, dtype: torch.dtype,
         pages = [2 * i, 2 * i + 1]  # 64-token pages, scattered per prompt; prompt + 32 steps < 128
         feed, pos = ids, 0
         for _ in range(steps_per_prompt + 1):
-            step = StepInputs.build([(feed, pos, pages)], cfg.model.index_topk, device=device)
+            step = StepInputs.build([(feed, pos, pages)], device=device)
             rec = {"prompt": i, "pos": pos, "compiled": engine.forward(step, *pools["compiled"])[-1].float()}
             with torch.no_grad():
                 for dt in dtypes:
                     # no CUDA kernel takes fp32 activations: the precision reference asks for the references
                     plain = dt != dtype and device != "cpu"
                     with cuda_ops.reference_ops() if plain else contextlib.nullcontext():
-                        out = nets[(dt, step.dense_prefill)](*step.as_tuple(), *pools[dt])[-1].float()
+                        out = nets[dt](*step.as_tuple(), *pools[dt])[-1].float()
                     rec["eager" if dt == dtype else "ref"] = out
             token = rec["eager"].argmax().item()
             yield rec
