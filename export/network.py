@@ -163,7 +163,8 @@ class DSAAttention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1,
+                 expert_op: bool = False):
         super().__init__()
         self.tp_size = tp_size
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -173,7 +174,7 @@ class DecoderLayer(nn.Module):
         if self.dense_mlp:  # intermediate dim split; the MoE all-reduces its own (fp32) sum
             self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size // tp_size, dtype)
         else:
-            self.mlp = MoE(cfg, dtype, local_experts(cfg, tp_rank, tp_size), tp_size)
+            self.mlp = MoE(cfg, dtype, local_experts(cfg, tp_rank, tp_size), tp_size, expert_op)
 
     def forward(self, h, cos, sin, meta, mla_pool, index_pool, cache_mode, dense):
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, meta, mla_pool, index_pool, cache_mode, dense)
@@ -184,12 +185,13 @@ class DecoderLayer(nn.Module):
 
 
 class DSAModelBody(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1,
+                 expert_op: bool = False):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         self.embed_tokens.weight.requires_grad_(False)
         self.layers = nn.ModuleList(
-            [DecoderLayer(cfg, i, dtype, tp_rank, tp_size) for i in range(cfg.num_hidden_layers)]
+            [DecoderLayer(cfg, i, dtype, tp_rank, tp_size, expert_op) for i in range(cfg.num_hidden_layers)]
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -199,11 +201,12 @@ class DSAForCausalLM(nn.Module):
 
     ``tp_rank``/``tp_size``: this module is rank ``tp_rank``'s shard of a tensor-parallel engine
     (export/sharding.py says which slice of each checkpoint tensor it holds); every rank returns
-    the same full logits.
+    the same full logits. ``expert_op``: the MoE layers' routed experts run as one dsa::moe_experts
+    call each (export/layers.py StackedExperts; bf16 networks only).
     """
 
     def __init__(self, cfg: ModelConfig, cache_mode: str = "bf16", dtype: torch.dtype = torch.bfloat16,
-                 dense_prefill: bool = False, tp_rank: int = 0, tp_size: int = 1):
+                 dense_prefill: bool = False, tp_rank: int = 0, tp_size: int = 1, expert_op: bool = False):
         super().__init__()
         if cache_mode not in CACHE_MODES:
             raise ValueError(f"cache_mode {cache_mode!r} not in {CACHE_MODES}")
@@ -212,7 +215,7 @@ class DSAForCausalLM(nn.Module):
             raise ValueError(f"tp_rank {tp_rank} not in [0, {tp_size})")
         self.cfg, self.cache_mode, self.dtype, self.dense_prefill = cfg, cache_mode, dtype, dense_prefill
         self.tp_rank, self.tp_size = tp_rank, tp_size
-        self.model = DSAModelBody(cfg, dtype, tp_rank, tp_size)
+        self.model = DSAModelBody(cfg, dtype, tp_rank, tp_size, expert_op)
         self.lm_head = linear(cfg.hidden_size, cfg.vocab_size, dtype)
         self.register_buffer("inv_freq", cfg.rope_inv_freq(), persistent=False)
 
