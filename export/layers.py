@@ -49,6 +49,35 @@ def linear(dim_in: int, dim_out: int, dtype: torch.dtype) -> nn.Linear:
     return lin
 
 
+class Fp8Linear(nn.Module):
+    """An fp8-block checkpoint Linear kept as stored: ``weight`` e4m3 [out, in] and
+    ``weight_scale_inv`` fp32 [ceil(out/128), ceil(in/128)] (the checkpoint's names), run as the
+    official W8A8 linear through dsa::fp8_block_linear; bf16 in, bf16 out."""
+
+    def __init__(self, dim_in: int, dim_out: int, pow2_scales: bool):
+        super().__init__()
+        self.register_buffer("weight", torch.empty(dim_out, dim_in, dtype=torch.float8_e4m3fn))
+        self.register_buffer("weight_scale_inv", torch.empty(math.ceil(dim_out / 128), math.ceil(dim_in / 128)))
+        self.pow2_scales = pow2_scales
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        y = torch.ops.dsa.fp8_block_linear(x.reshape(-1, x.shape[-1]), self.weight, self.weight_scale_inv,
+                                           self.pow2_scales)
+        return y.view(*lead, y.shape[-1])
+
+
+def block_linear(dim_in: int, dim_out: int, dtype: torch.dtype, cfg: ModelConfig | None) -> nn.Module:
+    """Fp8Linear when ``cfg`` is given (an fp8-block checkpoint kept W8A8; bf16 networks only), else
+    a plain bias-free Linear in ``dtype``."""
+    if cfg is None:
+        return linear(dim_in, dim_out, dtype)
+    if dtype != torch.bfloat16 or cfg.fp8_weight_block is None:
+        raise ValueError(f"fp8 linears need an fp8-block checkpoint and a bf16 network (got {dtype}, "
+                         f"fp8_weight_block={cfg.fp8_weight_block})")
+    return Fp8Linear(dim_in, dim_out, cfg.fp8_scale_fmt == "ue8m0")
+
+
 def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
     """[T] positions -> cos, sin [T, rope_dim/2] fp32."""
     freqs = positions.float()[:, None] * inv_freq[None, :]
@@ -90,11 +119,11 @@ def hadamard_matrix(n: int) -> torch.Tensor:
 class SwiGLU(nn.Module):
     """Dense FFN / one expert: down(silu(gate x) * up x); silu*up in fp32 (spec §4)."""
 
-    def __init__(self, dim: int, inter: int, dtype: torch.dtype):
+    def __init__(self, dim: int, inter: int, dtype: torch.dtype, fp8_cfg: ModelConfig | None = None):
         super().__init__()
-        self.gate_proj = linear(dim, inter, dtype)
-        self.up_proj = linear(dim, inter, dtype)
-        self.down_proj = linear(inter, dim, dtype)
+        self.gate_proj = block_linear(dim, inter, dtype, fp8_cfg)
+        self.up_proj = block_linear(dim, inter, dtype, fp8_cfg)
+        self.down_proj = block_linear(inter, dim, dtype, fp8_cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = F.silu(self.gate_proj(x).float()) * self.up_proj(x).float()
@@ -179,7 +208,7 @@ class MoE(nn.Module):
     """
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, expert_range: tuple[int, int] | None = None,
-                 tp_size: int = 1, expert_op: bool = False):
+                 tp_size: int = 1, expert_op: bool = False, fp8_linears: bool = False):
         super().__init__()
         self.gate = Router(cfg, cfg.n_routed_experts)
         lo, hi = expert_range or (0, cfg.n_routed_experts)
@@ -194,7 +223,8 @@ class MoE(nn.Module):
             )
         # tensor parallel: this rank's experts [lo, hi) and 1/tp of the shared experts' width
         self.shared_experts = (
-            SwiGLU(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts // tp_size, dtype)
+            SwiGLU(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts // tp_size, dtype,
+                   cfg if fp8_linears else None)
             if cfg.n_shared_experts
             else None
         )

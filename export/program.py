@@ -35,17 +35,19 @@ def build_network(
     tp_size: int = 1,
     progress: Progress | None = None,
     expert_op: bool = False,
+    fp8_linears: bool = False,
 ) -> DSAForCausalLM:
     """Rank ``tp_rank``'s network with the checkpoint's weights (fp8 blocks dequantised, then sliced
     by export/sharding.py), in eval mode. ``progress`` wraps the loop over the tensors.
 
     ``expert_op``: each MoE layer's routed experts are one dsa::moe_experts call on this rank's
     experts stacked as stored (Checkpoint.stacked_experts: e4m3 + scales for fp8 checkpoints, never
-    dequantised; bf16 otherwise); bf16 networks only."""
+    dequantised; bf16 otherwise); bf16 networks only. ``fp8_linears``: the fp8-block checkpoint's
+    e4m3 Linears (but kv_b) stay e4m3 with their ``weight_scale_inv`` (W8A8); tp_size 1."""
     cfg = ckpt.config
     with torch.device("meta"):
         net = DSAForCausalLM(cfg, cache_mode=cache_mode, dtype=dtype, dense_prefill=dense_prefill,
-                             tp_rank=tp_rank, tp_size=tp_size, expert_op=expert_op)
+                             tp_rank=tp_rank, tp_size=tp_size, expert_op=expert_op, fp8_linears=fp8_linears)
     state = {}
     stacked = {}  # layer -> its StackedExperts buffers by name
     items = list(net.state_dict().items())
@@ -65,7 +67,12 @@ def build_network(
                 raise ValueError(f"{name}: stacked experts {tuple(t.shape)}, the network expects {tuple(param.shape)}")
             state[name] = t.to(device)
             continue
-        t = shard_tensor(name, ckpt.get(name, dtype=param.dtype), tp_rank, tp_size)
+        if param.dtype == torch.float8_e4m3fn or name.endswith(".weight_scale_inv"):  # Fp8Linear, as stored
+            t = ckpt.raw(name)
+            if t.dtype != param.dtype:
+                raise ValueError(f"{name}: the checkpoint stores {t.dtype}, the fp8 network expects {param.dtype}")
+        else:
+            t = shard_tensor(name, ckpt.get(name, dtype=param.dtype), tp_rank, tp_size)
         if t.shape != param.shape:
             raise ValueError(f"{name}: rank {tp_rank}/{tp_size} shard has shape {tuple(t.shape)}, "
                              f"the network expects {tuple(param.shape)}")
