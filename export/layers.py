@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+import dsa_trt.plugins.fp8_ops  # noqa: F401  (registers torch.ops.dsa.moe_experts)
 from dsa_trt.config import ModelConfig
 
 
@@ -46,6 +47,35 @@ def linear(dim_in: int, dim_out: int, dtype: torch.dtype) -> nn.Linear:
     lin = nn.Linear(dim_in, dim_out, bias=False, dtype=dtype)
     lin.weight.requires_grad_(False)
     return lin
+
+
+class Fp8Linear(nn.Module):
+    """An fp8-block checkpoint Linear kept as stored: ``weight`` e4m3 [out, in] and
+    ``weight_scale_inv`` fp32 [ceil(out/128), ceil(in/128)] (the checkpoint's names), run as the
+    official W8A8 linear through dsa::fp8_block_linear; bf16 in, bf16 out."""
+
+    def __init__(self, dim_in: int, dim_out: int, pow2_scales: bool):
+        super().__init__()
+        self.register_buffer("weight", torch.empty(dim_out, dim_in, dtype=torch.float8_e4m3fn))
+        self.register_buffer("weight_scale_inv", torch.empty(math.ceil(dim_out / 128), math.ceil(dim_in / 128)))
+        self.pow2_scales = pow2_scales
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        y = torch.ops.dsa.fp8_block_linear(x.reshape(-1, x.shape[-1]), self.weight, self.weight_scale_inv,
+                                           self.pow2_scales)
+        return y.view(*lead, y.shape[-1])
+
+
+def block_linear(dim_in: int, dim_out: int, dtype: torch.dtype, cfg: ModelConfig | None) -> nn.Module:
+    """Fp8Linear when ``cfg`` is given (an fp8-block checkpoint kept W8A8; bf16 networks only), else
+    a plain bias-free Linear in ``dtype``."""
+    if cfg is None:
+        return linear(dim_in, dim_out, dtype)
+    if dtype != torch.bfloat16 or cfg.fp8_weight_block is None:
+        raise ValueError(f"fp8 linears need an fp8-block checkpoint and a bf16 network (got {dtype}, "
+                         f"fp8_weight_block={cfg.fp8_weight_block})")
+    return Fp8Linear(dim_in, dim_out, cfg.fp8_scale_fmt == "ue8m0")
 
 
 def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,11 +119,11 @@ def hadamard_matrix(n: int) -> torch.Tensor:
 class SwiGLU(nn.Module):
     """Dense FFN / one expert: down(silu(gate x) * up x); silu*up in fp32 (docs/architecture.md §8)."""
 
-    def __init__(self, dim: int, inter: int, dtype: torch.dtype):
+    def __init__(self, dim: int, inter: int, dtype: torch.dtype, fp8_cfg: ModelConfig | None = None):
         super().__init__()
-        self.gate_proj = linear(dim, inter, dtype)
-        self.up_proj = linear(dim, inter, dtype)
-        self.down_proj = linear(inter, dim, dtype)
+        self.gate_proj = block_linear(dim, inter, dtype, fp8_cfg)
+        self.up_proj = block_linear(dim, inter, dtype, fp8_cfg)
+        self.down_proj = block_linear(inter, dim, dtype, fp8_cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = F.silu(self.gate_proj(x).float()) * self.up_proj(x).float()
@@ -111,6 +141,11 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, D] -> dense combine weights [T, E] fp32 (zero for unselected experts)."""
+        idx, w = self.select(x)
+        return torch.zeros(x.shape[0], self.weight.shape[0], dtype=torch.float32, device=x.device).scatter(1, idx, w)
+
+    def select(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, D] -> (global expert ids [T, k] int64, combine weights [T, k] fp32)."""
         cfg = self.cfg
         scores = torch.sigmoid(x.float() @ self.weight.float().t())  # [T, E]
         choice = scores + self.e_score_correction_bias
@@ -126,40 +161,82 @@ class Router(nn.Module):
         if cfg.norm_topk_prob:
             w = w / (w.sum(-1, keepdim=True) + 1e-20)
         w = w * cfg.routed_scaling_factor
-        return torch.zeros_like(scores).scatter(1, idx, w)
+        return idx, w
+
+
+class StackedExperts(nn.Module):
+    """This rank's routed experts [lo, hi) as one dsa::moe_experts call (plugins/fp8_ops.py): one
+    graph node whatever the expert count, only the routed (token, expert) pairs computed.
+
+    Buffers in the op's layout (Checkpoint.stacked_experts fills them): ``w13`` [E, 2I, D] (gate
+    rows, then up rows) and ``w2`` [E, D, I], e4m3 with fp32 128x128 ``w13_scale`` / ``w2_scale``
+    for an fp8-block checkpoint (W8A8, never dequantised), bf16 without scales otherwise."""
+
+    BUFFERS = ("w13", "w13_scale", "w2", "w2_scale")
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, lo: int, hi: int):
+        super().__init__()
+        if dtype != torch.bfloat16:
+            raise ValueError(f"stacked experts (dsa::moe_experts) take bf16 activations; this network is {dtype}: "
+                             "build with dtype bfloat16, or without the expert op")
+        d, inter, n = cfg.hidden_size, cfg.moe_intermediate_size, hi - lo
+        self.fp8 = cfg.fp8_weight_block is not None
+        self.pow2_scales = cfg.fp8_scale_fmt == "ue8m0"
+        self.num_experts, self.expert_offset = cfg.n_routed_experts, lo
+        wdtype = torch.float8_e4m3fn if self.fp8 else torch.bfloat16
+        self.register_buffer("w13", torch.empty(n, 2 * inter, d, dtype=wdtype))
+        self.register_buffer("w2", torch.empty(n, d, inter, dtype=wdtype))
+        if self.fp8:
+            self.register_buffer("w13_scale", torch.empty(n, math.ceil(2 * inter / 128), math.ceil(d / 128)))
+            self.register_buffer("w2_scale", torch.empty(n, math.ceil(d / 128), math.ceil(inter / 128)))
+        else:
+            self.w13_scale = self.w2_scale = None
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x [T, D] bf16, ids [T, k] global, weights [T, k] fp32 -> this rank's partial sum, fp32 [T, D]."""
+        return torch.ops.dsa.moe_experts(x, ids.to(torch.int32), weights, self.w13, self.w13_scale, self.w2,
+                                         self.w2_scale, self.num_experts, self.expert_offset, self.pow2_scales)
 
 
 class MoE(nn.Module):
     """Routed experts + shared experts, fp32 combine.
 
-    Every local expert runs on every token and is weighted by the (mostly zero) combine weights:
-    no data-dependent shapes, so the graph exports and compiles as is. The cost is E/top_k times
-    the routed FLOPs, which is fine for the small models this path serves; a grouped-GEMM expert
-    op is the place to change that for the 671B model.
+    ``expert_op=False``: every local expert runs on every token and is weighted by the (mostly
+    zero) combine weights: no data-dependent shapes, so the graph exports and compiles as is, at
+    E/top_k times the routed FLOPs and ~20 graph nodes per expert. ``expert_op=True``: the routed
+    experts are one StackedExperts (dsa::moe_experts) call, for real-size models (bf16 networks).
     """
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, expert_range: tuple[int, int] | None = None,
-                 tp_size: int = 1):
+                 tp_size: int = 1, expert_op: bool = False, fp8_linears: bool = False):
         super().__init__()
         self.gate = Router(cfg, cfg.n_routed_experts)
         lo, hi = expert_range or (0, cfg.n_routed_experts)
         self.expert_lo, self.expert_hi = lo, hi
         self.tp_size = tp_size
-        self.experts = nn.ModuleDict(
-            {str(e): SwiGLU(cfg.hidden_size, cfg.moe_intermediate_size, dtype) for e in range(lo, hi)}
-        )
+        self.expert_op = expert_op
+        if expert_op:
+            self.stacked_experts = StackedExperts(cfg, dtype, lo, hi)
+        else:
+            self.experts = nn.ModuleDict(
+                {str(e): SwiGLU(cfg.hidden_size, cfg.moe_intermediate_size, dtype) for e in range(lo, hi)}
+            )
         # tensor parallel: this rank's experts [lo, hi) and 1/tp of the shared experts' width
         self.shared_experts = (
-            SwiGLU(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts // tp_size, dtype)
+            SwiGLU(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts // tp_size, dtype,
+                   cfg if fp8_linears else None)
             if cfg.n_shared_experts
             else None
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        combine = self.gate(x)  # [T, E]
-        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        for e in range(self.expert_lo, self.expert_hi):
-            out = out + combine[:, e : e + 1] * self.experts[str(e)](x).float()
+        if self.expert_op:
+            out = self.stacked_experts(x, *self.gate.select(x))  # fp32 [T, D]
+        else:
+            combine = self.gate(x)  # [T, E]
+            out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+            for e in range(self.expert_lo, self.expert_hi):
+                out = out + combine[:, e : e + 1] * self.experts[str(e)](x).float()
         if self.shared_experts is not None:
             out = out + self.shared_experts(x).float()
         if self.tp_size > 1:  # partial sums of the ranks, added in fp32

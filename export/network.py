@@ -27,6 +27,7 @@ from .layers import (
     IndexerKNorm,
     RMSNorm,
     SwiGLU,
+    block_linear,
     hadamard_matrix,
     linear,
     rope_cos_sin,
@@ -41,11 +42,12 @@ CACHE_MODES = ("fp8", "bf16", "fp32")
 class Indexer(nn.Module):
     """Lightning indexer: q from c_q, k = LayerNorm(x Wk), RoPE on the first 64 dims."""
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, fp8_linears: bool = False):
         super().__init__()
         self.cfg = cfg
-        self.wq_b = linear(cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim, dtype)
-        self.wk = linear(cfg.hidden_size, cfg.index_head_dim, dtype)
+        fp8 = cfg if fp8_linears else None
+        self.wq_b = block_linear(cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim, dtype, fp8)
+        self.wk = block_linear(cfg.hidden_size, cfg.index_head_dim, dtype, fp8)
         self.k_norm = IndexerKNorm(cfg.index_head_dim)
         # stored bf16, applied in fp32 to fp32 x (docs/architecture.md §8)
         self.weights_proj = nn.Linear(cfg.hidden_size, cfg.index_n_heads, bias=False, dtype=torch.float32)
@@ -93,20 +95,22 @@ class DSAAttention(nn.Module):
     and the indexer are replicated; o_proj's output is a partial sum, all-reduced over the ranks.
     """
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, tp_size: int = 1):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, tp_size: int = 1, fp8_linears: bool = False):
         super().__init__()
         self.cfg = cfg
         self.tp_size = tp_size
         self.num_heads = cfg.num_attention_heads // tp_size  # local heads
         h = self.num_heads
-        self.q_a_proj = linear(cfg.hidden_size, cfg.q_lora_rank, dtype)
+        fp8 = cfg if fp8_linears else None
+        self.q_a_proj = block_linear(cfg.hidden_size, cfg.q_lora_rank, dtype, fp8)
         self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, 1e-6)
-        self.q_b_proj = linear(cfg.q_lora_rank, h * cfg.qk_head_dim, dtype)
-        self.kv_a_proj_with_mqa = linear(cfg.hidden_size, cfg.kv_lora_rank + cfg.qk_rope_head_dim, dtype)
+        self.q_b_proj = block_linear(cfg.q_lora_rank, h * cfg.qk_head_dim, dtype, fp8)
+        self.kv_a_proj_with_mqa = block_linear(cfg.hidden_size, cfg.kv_lora_rank + cfg.qk_rope_head_dim, dtype, fp8)
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, 1e-6)
+        # kv_b stays a dequantised bf16 weight: the absorbed decode reads it as W_uk / W_uv ([R] does too)
         self.kv_b_proj = linear(cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim), dtype)
-        self.o_proj = linear(h * cfg.v_head_dim, cfg.hidden_size, dtype)
-        self.indexer = Indexer(cfg, dtype)
+        self.o_proj = block_linear(h * cfg.v_head_dim, cfg.hidden_size, dtype, fp8)
+        self.indexer = Indexer(cfg, dtype, fp8_linears)
         self.kv_cache_quantizer = KVCacheQuantizerSlot()
         self.kv_scale = 1.0  # per-layer MLA cache scale (fp8 mode), set from calibration
 
@@ -138,17 +142,18 @@ class DSAAttention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1,
+                 expert_op: bool = False, fp8_linears: bool = False):
         super().__init__()
         self.tp_size = tp_size
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = DSAAttention(cfg, dtype, tp_size)
+        self.self_attn = DSAAttention(cfg, dtype, tp_size, fp8_linears)
         self.dense_mlp = layer_idx < cfg.first_k_dense_replace
         if self.dense_mlp:  # intermediate dim split; the MoE all-reduces its own (fp32) sum
-            self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size // tp_size, dtype)
+            self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size // tp_size, dtype, cfg if fp8_linears else None)
         else:
-            self.mlp = MoE(cfg, dtype, local_experts(cfg, tp_rank, tp_size), tp_size)
+            self.mlp = MoE(cfg, dtype, local_experts(cfg, tp_rank, tp_size), tp_size, expert_op, fp8_linears)
 
     def forward(self, h, cos, sin, meta, mla_pool, index_pool, cache_mode):
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, meta, mla_pool, index_pool, cache_mode)
@@ -159,12 +164,13 @@ class DecoderLayer(nn.Module):
 
 
 class DSAModelBody(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1,
+                 expert_op: bool = False, fp8_linears: bool = False):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         self.embed_tokens.weight.requires_grad_(False)
         self.layers = nn.ModuleList(
-            [DecoderLayer(cfg, i, dtype, tp_rank, tp_size) for i in range(cfg.num_hidden_layers)]
+            [DecoderLayer(cfg, i, dtype, tp_rank, tp_size, expert_op, fp8_linears) for i in range(cfg.num_hidden_layers)]
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -174,11 +180,14 @@ class DSAForCausalLM(nn.Module):
 
     ``tp_rank``/``tp_size``: this module is rank ``tp_rank``'s shard of a tensor-parallel engine
     (export/sharding.py says which slice of each checkpoint tensor it holds); every rank returns
-    the same full logits.
+    the same full logits. ``expert_op``: the MoE layers' routed experts run as one dsa::moe_experts
+    call each (export/layers.py StackedExperts; bf16 networks only). ``fp8_linears``: every Linear
+    an fp8-block checkpoint stores in e4m3 (but kv_b, read as a matrix by the absorbed decode) is an
+    Fp8Linear (W8A8 through dsa::fp8_block_linear; bf16 networks, tp_size 1).
     """
 
     def __init__(self, cfg: ModelConfig, cache_mode: str = "bf16", dtype: torch.dtype = torch.bfloat16,
-                 tp_rank: int = 0, tp_size: int = 1):
+                 tp_rank: int = 0, tp_size: int = 1, expert_op: bool = False, fp8_linears: bool = False):
         super().__init__()
         if cache_mode not in CACHE_MODES:
             raise ValueError(f"cache_mode {cache_mode!r} not in {CACHE_MODES}")
@@ -187,7 +196,10 @@ class DSAForCausalLM(nn.Module):
             raise ValueError(f"tp_rank {tp_rank} not in [0, {tp_size})")
         self.cfg, self.cache_mode, self.dtype = cfg, cache_mode, dtype
         self.tp_rank, self.tp_size = tp_rank, tp_size
-        self.model = DSAModelBody(cfg, dtype, tp_rank, tp_size)
+        if fp8_linears and tp_size != 1:
+            raise ValueError("fp8_linears supports tp_size 1 only: sharding e4m3 weights with their 128x128 scales "
+                             "is not implemented (export/sharding.py slices dequantised tensors)")
+        self.model = DSAModelBody(cfg, dtype, tp_rank, tp_size, expert_op, fp8_linears)
         self.lm_head = linear(cfg.hidden_size, cfg.vocab_size, dtype)
         self.register_buffer("inv_freq", cfg.rope_inv_freq(), persistent=False)
 

@@ -17,7 +17,7 @@ from dsa_trt.plugins.pools import allocate_pools
 from dsa_trt.step import StepInputs, dynamic_shapes, export_dims
 
 from .checkpoint import Checkpoint
-from .layers import hadamard_matrix
+from .layers import StackedExperts, hadamard_matrix
 from .network import DSAForCausalLM
 from .sharding import shard_tensor
 
@@ -33,16 +33,45 @@ def build_network(
     tp_rank: int = 0,
     tp_size: int = 1,
     progress: Progress | None = None,
+    expert_op: bool = False,
+    fp8_linears: bool = False,
 ) -> DSAForCausalLM:
     """Rank ``tp_rank``'s network with the checkpoint's weights (fp8 blocks dequantised, then sliced
-    by export/sharding.py), in eval mode. ``progress`` wraps the loop over the tensors."""
+    by export/sharding.py), in eval mode. ``progress`` wraps the loop over the tensors.
+
+    ``expert_op``: each MoE layer's routed experts are one dsa::moe_experts call on this rank's
+    experts stacked as stored (Checkpoint.stacked_experts: e4m3 + scales for fp8 checkpoints, never
+    dequantised; bf16 otherwise); bf16 networks only. ``fp8_linears``: the fp8-block checkpoint's
+    e4m3 Linears (but kv_b) stay e4m3 with their ``weight_scale_inv`` (W8A8); tp_size 1."""
     cfg = ckpt.config
     with torch.device("meta"):
-        net = DSAForCausalLM(cfg, cache_mode=cache_mode, dtype=dtype, tp_rank=tp_rank, tp_size=tp_size)
+        net = DSAForCausalLM(cfg, cache_mode=cache_mode, dtype=dtype, tp_rank=tp_rank, tp_size=tp_size,
+                             expert_op=expert_op, fp8_linears=fp8_linears)
     state = {}
+    stacked = {}  # layer -> its StackedExperts buffers by name
     items = list(net.state_dict().items())
     for name, param in progress(items) if progress else items:
-        t = shard_tensor(name, ckpt.get(name, dtype=param.dtype), tp_rank, tp_size)
+        parts = name.split(".")
+        if expert_op and ".mlp.stacked_experts." in name:  # model.layers.L.mlp.stacked_experts.<buffer>
+            layer = int(parts[2])
+            if layer not in stacked:
+                moe = net.model.layers[layer].mlp
+                stacked[layer] = dict(zip(StackedExperts.BUFFERS,
+                                          ckpt.stacked_experts(layer, moe.expert_lo, moe.expert_hi), strict=True))
+            t = stacked[layer][parts[-1]]
+            if t is None or t.dtype != param.dtype:
+                raise ValueError(f"{name}: the checkpoint's stacked experts are {None if t is None else t.dtype}, "
+                                 f"the network expects {param.dtype}")
+            if t.shape != param.shape:
+                raise ValueError(f"{name}: stacked experts {tuple(t.shape)}, the network expects {tuple(param.shape)}")
+            state[name] = t.to(device)
+            continue
+        if param.dtype == torch.float8_e4m3fn or name.endswith(".weight_scale_inv"):  # Fp8Linear, as stored
+            t = ckpt.raw(name)
+            if t.dtype != param.dtype:
+                raise ValueError(f"{name}: the checkpoint stores {t.dtype}, the fp8 network expects {param.dtype}")
+        else:
+            t = shard_tensor(name, ckpt.get(name, dtype=param.dtype), tp_rank, tp_size)
         if t.shape != param.shape:
             raise ValueError(f"{name}: rank {tp_rank}/{tp_size} shard has shape {tuple(t.shape)}, "
                              f"the network expects {tuple(param.shape)}")

@@ -18,6 +18,8 @@ No argument validation here: the torch ops (plugins/fp8_ops.py) validate at the 
 
 from __future__ import annotations
 
+import struct
+
 import torch
 import torch.nn.functional as F
 
@@ -26,7 +28,7 @@ FP8_E4M3_MAX = 448.0
 ACT_AMAX_FLOOR = 1e-4  # the official act_quant's clamp: an all-zero group gets a finite scale
 # The official kernel multiplies by the fp32 reciprocal (s = amax * fp8_max_inv), which differs
 # from amax / 448 in the last bit, and x / s then often lands exactly on an e4m3 tie.
-FP8_MAX_INV = torch.tensor(1.0 / FP8_E4M3_MAX, dtype=torch.float32).item()
+FP8_MAX_INV = struct.unpack("f", struct.pack("f", 1.0 / FP8_E4M3_MAX))[0]  # fp32(1/448); import-safe under meta
 FP8 = torch.float8_e4m3fn
 
 
