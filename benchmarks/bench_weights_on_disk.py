@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> None:
     net = build_network(Checkpoint(ckpt_dir), cache_mode="fp32", dtype=torch.float32)
     cfg = net.cfg
     ep = export_program(net)
-    step = example_step(cfg, dense=False)
+    step = example_step(cfg)
     reference = None
     print(f"torch {torch.__version__}; {cfg.num_hidden_layers}-layer network, "
           f"{sum(t.numel() * t.element_size() for t in program_constants(ep).values()) / 2**20:.1f} MiB of constants")
