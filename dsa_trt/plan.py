@@ -163,10 +163,9 @@ def check_layout(cfg: ModelConfig, tp: int, ep: int, weights: str = "stored", vo
 def _weight_totals(cfg: ModelConfig, include_mtp: bool, weights: str) -> tuple[dict, dict]:
     """Bytes an engine may hold, summed from the checkpoint layout (``expected_tensors``):
     ({(part, split): bytes} of everything but the routed experts, {expert id: bytes over all layers})."""
-    # Imported here: dsa_trt.* is the contract layer below export/; only its layout table is used.
     import torch
 
-    from dsa_trt.export.checkpoint import FP8, SCALE_SUFFIX, expected_tensors, is_mtp_tensor
+    from dsa_trt.checkpoint_layout import FP8, SCALE_SUFFIX, expected_tensors, is_mtp_tensor
 
     fixed: dict[tuple[str, str | None], int] = {}
     experts: dict[int, int] = {}

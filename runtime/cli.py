@@ -184,7 +184,7 @@ def _add_plan_parser(sub) -> None:
     p.add_argument("--ep", type=int, default=None, help="routed experts split over N ranks (default: --tp)")
     p.add_argument("--gpu-memory-gb", type=float, required=True, help="memory per GPU, decimal GB")
     p.add_argument("--batch", type=int, default=1, help="sequences for the longest-context column")
-    p.add_argument("--cache", choices=CACHE_MODES, default="fp8")
+    p.add_argument("--cache", choices=CACHE_MODES, default="fp8", help="cache format the bytes per token are counted for")
     p.add_argument("--weights", choices=WEIGHT_MODES, default="stored",
                    help="stored: as the checkpoint keeps them (fp8 blocks stay fp8); bf16: dequantised")
     p.add_argument("--vocab-split", action="store_true", help="split embed/lm_head rows over tp (default: replicated)")

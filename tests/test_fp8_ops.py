@@ -474,7 +474,7 @@ def _logits(net, cfg):
     from dsa_trt.export.program import example_step
     from dsa_trt.plugins.pools import allocate_pools
 
-    step = example_step(cfg, False)
+    step = example_step(cfg)
     mla, idx = allocate_pools(cfg, "bf16", 4)
     with torch.no_grad():
         return net(*step.as_tuple(), mla, idx).double()
