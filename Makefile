@@ -47,8 +47,9 @@ build/kernels/%.o: plugins/csrc/%.cu plugins/csrc/*.h plugins/csrc/*.cuh
 	@mkdir -p $(dir $@)
 	$(NVCC) $(NVCC_FLAGS) -c $< -o $@ 2> >(tee $@.ptxas.txt >&2)
 
+# soname: a consumer's NEEDED entry then matches a copy preloaded from elsewhere (DSA_KERNEL_LIB)
 $(KERNEL_LIB): $(KERNEL_OBJS)
-	$(NVCC) $(CUDA_ARCH) -shared -o $@ $^
+	$(NVCC) $(CUDA_ARCH) -shared -Xlinker -soname=libdsa_kernels.so -o $@ $^
 
 # C++ torch binding (build/libdsa_torch_ops.so: the CUDA kernels of torch.ops.dsa.*, plugins/torch_binding)
 # and the standalone decode-step runner (build/dsa_step: no Python). Both link the CUDA torch of

@@ -9,7 +9,7 @@
 # Run from the repository root with the machine's python3 (torch + CUDA). Without ModelOpt there,
 # pass the quant/fp8-kv-per-layer.json of a CPU build of the same checkpoint. ENGINE_DIR (default
 # /tmp/dsa_gpu_engine) is reused when it already holds an engine. STAGES (default "setup tests bench
-# engine"; setup installs the package and builds the kernel library) picks stages, so two GPUs can
+# engine"; setup installs the package and builds the kernel library, the torch binding and build/dsa_step) picks stages, so two GPUs can
 # run two stage lists side by side after one setup. TEST_TIMEOUT (per test file) and BENCH_TIMEOUT
 # (the kernel benchmarks), in seconds, keep one call inside the device's 10-minute limit.
 set -uo pipefail
@@ -23,6 +23,8 @@ has() { [[ " $STAGES " == *" $1 "* ]]; }
 if has setup; then
   python3 -m pip install -q --no-deps --no-build-isolation -e . > "$LOG/pip.log" 2>&1
   make kernels NVCC=nvcc -j"$(nproc)" > "$LOG/kernels.log" 2>&1 || { echo "make kernels failed (see kernels.log)"; exit 1; }
+  # the C++ torch binding (the CUDA kernels of torch.ops.dsa.*) and the Python-free step runner
+  make torch-ops step-runner NVCC=nvcc PY=python3 > "$LOG/torch_ops.log" 2>&1 || { echo "make torch-ops failed (see torch_ops.log)"; exit 1; }
 fi
 if has tests; then
   for t in tests/test_kernels_*.py; do

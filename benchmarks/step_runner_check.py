@@ -55,7 +55,8 @@ def read_dsat(path: Path) -> list[torch.Tensor]:
         dims = struct.unpack_from(f"<{ndim}q", data, off + 16)
         (nbytes,) = struct.unpack_from("<q", data, off + 16 + 8 * ndim)
         off += 24 + 8 * ndim
-        buf = torch.frombuffer(bytearray(data[off:off + nbytes]), dtype=torch.uint8)
+        buf = (torch.frombuffer(bytearray(data[off:off + nbytes]), dtype=torch.uint8) if nbytes
+               else torch.empty(0, dtype=torch.uint8))
         out.append(buf.view(CODE_DTYPES[code]).reshape(dims))
         off += nbytes
     return out

@@ -12,8 +12,9 @@ A process without Python (runtime/cpp/dsa_step.cpp) defines the same schemas in 
 plugins/torch_binding/dsa_schemas.cpp, which tests/test_op_schemas.py keeps equal to ``OPS``.
 
 Adding an operator: one ``define_op(OpDef(...))`` call (here or in a sibling module such as
-plugins/fp8_ops.py), its ``m.def`` line in dsa_schemas.cpp, and its CUDA ``m.impl`` in the
-binding (README of plugins/torch_binding/dsa_torch_ops.cpp's header).
+plugins/fp8_ops.py, listed in tests/test_op_schemas.py OP_MODULES), its ``m.def`` line in
+dsa_schemas.cpp, and its CUDA ``m.impl`` in the binding (steps in the header of
+plugins/torch_binding/dsa_torch_ops.cpp).
 
 Op name (torch)              ONNX op_type / TensorRT plugin
 dsa::mla_cache_write         DsaMlaCacheWrite

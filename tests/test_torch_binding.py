@@ -147,3 +147,29 @@ def test_gpu_without_library_errors_and_reference_still_works(tmp_path):
     env["DSA_KERNELS"] = "reference"
     run = subprocess.run([sys.executable, "-c", SUBPROCESS], env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0 and "REF (2, 4, 512)" in run.stdout, run.stdout + run.stderr
+
+
+def test_dsat_round_trip(tmp_path):
+    """The raw tensor format of runtime/cpp/dsa_step.cpp, as benchmarks/step_runner_check.py writes and reads it
+    (header layout: magic, count, then dtype code, ndim, dims, nbytes, bytes per tensor)."""
+    import importlib.util
+    import struct
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "step_runner_check.py"
+    spec = importlib.util.spec_from_file_location("step_runner_check", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    g = torch.Generator().manual_seed(0)
+    tensors = [torch.randint(0, 1000, (5,), generator=g), torch.randn(2, 3, generator=g).to(torch.bfloat16),
+               torch.randint(0, 255, (2, 64, 8), generator=g, dtype=torch.uint8), torch.tensor(3, dtype=torch.int32),
+               torch.randn(4, generator=g).to(torch.float8_e4m3fn), torch.empty(0, 576)]
+    f = tmp_path / "x.dsat"
+    mod.write_dsat(f, tensors)
+    back = mod.read_dsat(f)
+    assert len(back) == len(tensors)
+    for a, b in zip(tensors, back):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(torch.uint8) if a.dim() else a,
+                                                                          b.view(torch.uint8) if b.dim() else b)
+    raw = f.read_bytes()
+    assert raw[:8] == b"DSATENS1" and struct.unpack_from("<qqqq", raw, 8) == (6, 4, 1, 5)  # int64 = c10 Long = 4

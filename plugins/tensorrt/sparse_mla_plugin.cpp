@@ -35,7 +35,8 @@ public:
     static constexpr int32_t kNbOutputs = 2;
 
     explicit SparseMlaPlugin(FieldValues const& f)
-        : mNumHeads(f.intInRange("num_heads", 1, 1024))
+        // any count <= 128: dsa_launch_sparse_mla pads those it is not instantiated for (in the workspace)
+        : mNumHeads(f.intInRange("num_heads", 1, 128))
         , mTopk(f.intInRange("topk", 1, 1 << 20))
         , mKvScale(f.positiveFloat("kv_scale"))
         , mSmScale(f.positiveFloat("sm_scale"))
