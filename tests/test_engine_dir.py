@@ -88,7 +88,7 @@ def test_swapped_files_are_an_error_naming_both(engine):
 
 
 @pytest.mark.parametrize("field, value, shown", [
-    ("index_topk", 16, "model.index_topk is 16 but the programs were built with"),
+    ("index_topk", 1234, "model.index_topk is 1234 but the programs were built with"),
     ("cache_mode", "bf16", "cache_mode is 'bf16' but the programs were built with 'fp8'"),
 ])
 def test_edited_config_is_an_error_naming_the_field(engine, field, value, shown):

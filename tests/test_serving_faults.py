@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -46,7 +47,8 @@ NUM_PAGES = 64  # 4096 tokens: max_model_len of the served engine
 SERVE_READY_S = 240.0
 IDLE_CPU_S = 0.3  # stub CPU seconds per IDLE_WINDOW_S that count as "not stepping"
 IDLE_WINDOW_S = 2.0
-IDLE_DEADLINE_S = 30.0
+IDLE_DEADLINE_S = 180.0  # for requests left to run to their end
+CANCEL_DEADLINE_S = 20.0  # cancelled requests: gone after one step, plus the client's connection teardown
 HANG_UPS = 6
 
 
@@ -100,9 +102,9 @@ def test_builder_rejects_nonfinite_weights_naming_the_tensor(ckpt_copy, tmp_path
 ])
 def test_config_json_fields_are_validated(ckpt_copy, edit, shown):
     edit_json(ckpt_copy / "config.json", edit)
-    with pytest.raises(ConfigError, match=shown.replace("[", r"\[").replace("]", r"\]")):
+    with pytest.raises(ConfigError, match=re.escape(shown)):
         ModelConfig.from_json(ckpt_copy)
-    with pytest.raises(CheckpointError, match=shown.replace("[", r"\[").replace("]", r"\]")):
+    with pytest.raises(CheckpointError, match=re.escape(shown)):
         Checkpoint(ckpt_copy)
 
 
@@ -128,7 +130,7 @@ def test_builder_rejects_garbage_tokenizer(ckpt_copy, tmp_path):
 ])
 def test_bad_knob_values_name_the_variable(monkeypatch, fp8_engine, name, value, shown):
     monkeypatch.setenv(name, value)
-    with pytest.raises(knobs.KnobError, match=shown.replace("(", r"\(").replace("[", r"\[")):
+    with pytest.raises(knobs.KnobError, match=re.escape(shown)):
         knobs.validate_environment()
     with pytest.raises(ValueError, match=name):
         LLM(fp8_engine)
@@ -202,7 +204,8 @@ class Serve:
         return f"127.0.0.1:{self.ports[0]}"
 
     def output(self) -> str:
-        self.log.flush()
+        if not self.log.closed:
+            self.log.flush()
         return Path(self.log.name).read_text(errors="replace")
 
     def wait_banner(self, timeout: float) -> None:
@@ -320,7 +323,7 @@ OUR_MODEL = [  # (body, what our model answers: 400 naming the field and the num
     ({"text_input": "a", "top_k": 4294967297}, "top_k=4294967297 exceeds the vocabulary (512 tokens)"),
     ({"text_input": "a", "end_id": 2**40}, "end_id=1099511627776 is not a token id"),
     ({"text_input": "a", "temperature": 1e300}, "temperature must be finite, got inf"),
-    ({"text_input": "a", "max_tokens": 4000}, "exceeds max_model_len 4096 (the min of max_position_embeddings"),
+    ({"text_input": "a", "max_tokens": 4096}, "exceeds max_model_len 4096 (the min of max_position_embeddings"),
     ({"text_input": "a", "foo": "1"}, "unknown field(s) 'foo'"),
 ]
 
@@ -349,26 +352,78 @@ def hang_up(serve: Serve, body: dict, after_s: float) -> None:
         time.sleep(after_s)
 
 
-def test_hung_up_non_streaming_requests_are_cancelled(serve):
+GRPC_CLIENT = """
+import sys, time
+import numpy as np
+import tritonclient.grpc as grpcclient
+c = grpcclient.InferenceServerClient(sys.argv[1])
+c.start_stream(callback=lambda result, error: None)
+for i in range(int(sys.argv[2])):
+    inputs = []
+    for name, arr, dt in (("text_input", np.array([[b"Once upon a time"]], dtype=np.object_), "BYTES"),
+                          ("max_tokens", np.array([[HANG_TOKENS]], dtype=np.int64), "INT64"),
+                          ("end_id", np.array([[511]], dtype=np.int64), "INT64"),
+                          ("stream", np.array([[False]], dtype=np.bool_), "BOOL")):
+        inputs.append(grpcclient.InferInput(name, list(arr.shape), dt))
+        inputs[-1].set_data_from_numpy(arr)
+    c.async_stream_infer("dsa_trt", inputs, request_id=f"hang{i}")
+print("sent", flush=True)
+time.sleep(600)
+"""
+HANG_TOKENS = 1500
+
+
+def wait_idle(stub: int, deadline_s: float = IDLE_DEADLINE_S) -> float:
+    """Seconds until the stub burns < IDLE_CPU_S per IDLE_WINDOW_S (fails after deadline_s)."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < deadline_s:
+        before = cpu_seconds(stub)
+        time.sleep(IDLE_WINDOW_S)
+        if cpu_seconds(stub) - before < IDLE_CPU_S:
+            return time.monotonic() - t0
+    pytest.fail(f"the backend still steps {deadline_s} s after its clients went away")
+
+
+def test_killed_grpc_client_cancels_its_non_streaming_requests(serve, tmp_path):
+    """A client process with HANG_UPS non-streaming (stream=false) requests on its gRPC stream is
+    SIGKILLed mid-generation: the model sees the cancellation at its next step and stops."""
     stub = stub_pid(serve)
-    body = {"text_input": "Once upon a time", "max_tokens": 3000, "end_id": 511, "temperature": 0.0}
-    threads = [threading.Thread(target=hang_up, args=(serve, body, IDLE_WINDOW_S)) for _ in range(HANG_UPS)]
-    busy = cpu_seconds(stub)
+    wait_idle(stub)
+    script = tmp_path / "client.py"
+    script.write_text(GRPC_CLIENT.replace("HANG_TOKENS", str(HANG_TOKENS)))
+    client = subprocess.Popen([sys.executable, str(script), f"127.0.0.1:{serve.ports[1]}", str(HANG_UPS)],
+                              stdout=subprocess.PIPE)
+    try:
+        assert client.stdout.readline().strip() == b"sent"
+        busy = cpu_seconds(stub)
+        time.sleep(IDLE_WINDOW_S)
+        assert cpu_seconds(stub) - busy > IDLE_CPU_S, "the engine was not generating for the connected client"
+    finally:
+        client.kill()
+        client.wait(10)
+    wait_idle(stub, CANCEL_DEADLINE_S)
+    status, body = generate(serve, {"text_input": "after the hang-ups", "max_tokens": 2})
+    assert status == 200, body
+
+
+@pytest.mark.xfail(strict=True, reason="tritonserver 2.51's HTTP frontend pauses the connection while a non-streaming "
+                   "request runs and never sees the client's FIN (triton-inference-server/server#7077, fix proposed "
+                   "in PR #8982): the model is never told. Strict: passes (and so fails here) once Triton cancels.")
+def test_hung_up_http_non_streaming_requests_are_cancelled(serve):
+    stub = stub_pid(serve)
+    wait_idle(stub)
+    body = {"text_input": "Once upon a time", "max_tokens": 200, "end_id": 511, "temperature": 0.0}
+    threads = [threading.Thread(target=hang_up, args=(serve, body, IDLE_WINDOW_S)) for _ in range(2)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(30)
-    assert cpu_seconds(stub) - busy > IDLE_CPU_S, "the engine was not generating for the connected requests"
-    deadline = time.monotonic() + IDLE_DEADLINE_S
-    while time.monotonic() < deadline:
+    try:
         before = cpu_seconds(stub)
-        time.sleep(IDLE_WINDOW_S)
-        if cpu_seconds(stub) - before < IDLE_CPU_S:
-            break
-    else:
-        pytest.fail(f"the backend still steps {IDLE_DEADLINE_S} s after {HANG_UPS} clients hung up")
-    status, body = generate(serve, {"text_input": "after the hang-ups", "max_tokens": 2})
-    assert status == 200, body
+        time.sleep(3 * IDLE_WINDOW_S)  # Triton's HTTP frontend would cancel at once; the model at its next step
+        assert cpu_seconds(stub) - before < IDLE_CPU_S * 3, "the engine still steps for the hung-up HTTP clients"
+    finally:
+        wait_idle(stub)  # the uncancelled requests run to their end before the next test
 
 
 def test_second_server_on_busy_ports_fails_before_any_banner(serve, fp8_engine, tmp_path):
