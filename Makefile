@@ -64,15 +64,15 @@ TORCH_CXXFLAGS = -O2 -std=c++20 -fPIC $(filter-out $(lastword $(TORCH_PY)),$(TOR
 TORCH_LIBDIR = $(lastword $(TORCH_PY))
 TORCH_LDLIBS = -L$(TORCH_LIBDIR) -Wl,--no-as-needed -ltorch -ltorch_cpu -lc10 -lc10_cuda -ltorch_cuda -Wl,--as-needed \
 	-Wl,-rpath,$(TORCH_LIBDIR)
-TORCH_OPS_SRC := plugins/torch_binding/dsa_torch_ops.cpp
+TORCH_OPS_SRC := $(filter-out plugins/torch_binding/dsa_schemas.cpp,$(wildcard plugins/torch_binding/*.cpp))
 STEP_SRCS := runtime/cpp/dsa_step.cpp plugins/torch_binding/dsa_schemas.cpp
 # The CPU wheel ships c10/cuda headers without their generated cuda_cmake_macros.h: a stand-in for the check only.
 TORCH_SHIM := build/torch-shim/c10/cuda/impl/cuda_cmake_macros.h
 
 torch-ops: $(TORCH_OPS_LIB)
 
-$(TORCH_OPS_LIB): $(TORCH_OPS_SRC) plugins/csrc/dsa_kernels.h $(KERNEL_LIB)
-	$(CXX) $(TORCH_CXXFLAGS) -Wall -Wextra -shared -o $@ $< -Lbuild -Wl,--no-as-needed -ldsa_kernels \
+$(TORCH_OPS_LIB): $(TORCH_OPS_SRC) plugins/csrc/dsa_kernels.h plugins/csrc/dsa_moe_kernels.h $(KERNEL_LIB)
+	$(CXX) $(TORCH_CXXFLAGS) -Wall -Wextra -shared -o $@ $(TORCH_OPS_SRC) -Lbuild -Wl,--no-as-needed -ldsa_kernels \
 		$(TORCH_LDLIBS) -Wl,-rpath,'$$ORIGIN'
 
 $(TORCH_SHIM):

@@ -1,16 +1,17 @@
-"""The real-size linear operators as torch custom ops, namespace ``dsa``.
+"""The real-size linear operators, entries of the ``dsa`` schema table (plugins/ops.py ``define_op``).
 
-Importing this module registers, with the plain-torch reference (plugins/fp8_reference.py) as the
-implementation for every device and fake (meta) kernels for torch.export / AOTInductor:
+Importing this module defines them with the plain-torch reference (plugins/fp8_reference.py) as the
+composite implementation (every device) and fake kernels for torch.export / AOTInductor; the CUDA
+kernels come from the C++ binding (plugins/torch_binding/moe_ops.cpp):
 
 Op name (torch)          ONNX op_type / TensorRT plugin
 dsa::fp8_block_linear    DsaFp8BlockLinear
 dsa::moe_experts         DsaMoeExperts
 
 Semantics and layouts: plugins/csrc/dsa_moe_kernels.h (the CUDA kernels' contract). The CUDA
-binding may override the CUDA implementations; it should call ``check_fp8_block_linear`` and
-``check_moe_experts(..., check_values=False)`` first, since the CUDA path cannot read expert ids
-on the host without a device synchronisation (which would break CUDA-graph capture).
+binding checks what ``check_fp8_block_linear`` and ``check_moe_experts(..., check_values=False)``
+check; it cannot read expert ids on the host without a device synchronisation (which would break
+CUDA-graph capture), so the kernel skips ids outside [0, num_experts).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from . import fp8_reference as ref
+from .ops import OpDef, define_op
 
 PLUGIN_NAMES = {
     "fp8_block_linear": "DsaFp8BlockLinear",
@@ -116,30 +118,37 @@ def check_moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: tor
                          "experts must be distinct")
 
 
-@torch.library.custom_op("dsa::fp8_block_linear", mutates_args=())
-def fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
-                     pow2_scales: bool) -> torch.Tensor:
+def _fp8_block_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                      pow2_scales: bool) -> torch.Tensor:
     check_fp8_block_linear(x, weight, weight_scale)
     return ref.fp8_block_linear(x, weight, weight_scale, pow2_scales)
 
 
-@fp8_block_linear.register_fake
-def _(x, weight, weight_scale, pow2_scales):
+def _fp8_block_linear_fake(x, weight, weight_scale, pow2_scales):
     check_fp8_block_linear(x, weight, weight_scale)
     return x.new_empty((x.shape[0], weight.shape[0]), dtype=torch.bfloat16)
 
 
-@torch.library.custom_op("dsa::moe_experts", mutates_args=())
-def moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor,
-                w13_scale: torch.Tensor | None, w2: torch.Tensor, w2_scale: torch.Tensor | None, num_experts: int,
-                expert_offset: int, pow2_scales: bool) -> torch.Tensor:
+def _moe_experts(x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor,
+                 w13_scale: torch.Tensor | None, w2: torch.Tensor, w2_scale: torch.Tensor | None, num_experts: int,
+                 expert_offset: int, pow2_scales: bool) -> torch.Tensor:
     check_moe_experts(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, num_experts, expert_offset)
     return ref.moe_experts(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, num_experts, expert_offset,
                            pow2_scales)
 
 
-@moe_experts.register_fake
-def _(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, num_experts, expert_offset, pow2_scales):
+def _moe_experts_fake(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, num_experts, expert_offset,
+                      pow2_scales):
     check_moe_experts(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, num_experts, expert_offset,
                       check_values=False)
     return x.new_empty((x.shape[0], x.shape[1]), dtype=torch.float32)
+
+
+# the schema table's entries (plugins/ops.py OPS; the same strings in torch_binding/dsa_schemas.cpp)
+define_op(OpDef("fp8_block_linear", "(Tensor x, Tensor weight, Tensor weight_scale, bool pow2_scales) -> Tensor",
+                _fp8_block_linear, _fp8_block_linear_fake, PLUGIN_NAMES["fp8_block_linear"]))
+define_op(OpDef("moe_experts", "(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor w13, Tensor? w13_scale, "
+                "Tensor w2, Tensor? w2_scale, int num_experts, int expert_offset, bool pow2_scales) -> Tensor",
+                _moe_experts, _moe_experts_fake, PLUGIN_NAMES["moe_experts"]))
+fp8_block_linear = torch.ops.dsa.fp8_block_linear
+moe_experts = torch.ops.dsa.moe_experts

@@ -22,6 +22,8 @@ dsa::indexer_k_cache_write   DsaIndexerKCacheWrite
 dsa::indexer_logits          DsaIndexerLogits
 dsa::topk_translate          DsaTopkTranslate
 dsa::sparse_mla              DsaSparseMla
+dsa::fp8_block_linear        DsaFp8BlockLinear   (plugins/fp8_ops.py)
+dsa::moe_experts             DsaMoeExperts       (plugins/fp8_ops.py)
 """
 
 from __future__ import annotations
@@ -102,6 +104,8 @@ for _op in (
           ref.sparse_mla, _sparse_mla_fake, "DsaSparseMla"),
 ):
     define_op(_op)
+
+from . import fp8_ops  # noqa: E402,F401  (the real-size linear ops: fp8_block_linear, moe_experts)
 
 # The ONNX op_type / TensorRT plugin of each op (builder/onnx_export.py, tests/test_tensorrt_plugins.py).
 PLUGIN_NAMES = {name: op.plugin for name, op in OPS.items() if op.plugin}

@@ -17,6 +17,8 @@ from dsa_trt.plugins import ops
 ROOT = Path(__file__).resolve().parents[1]
 SCHEMAS_CPP = ROOT / "plugins" / "torch_binding" / "dsa_schemas.cpp"
 BINDING_CPP = ROOT / "plugins" / "torch_binding" / "dsa_torch_ops.cpp"
+# every source of libdsa_torch_ops.so (the Makefile's TORCH_OPS_SRC): all of torch_binding/ but the schemas
+BINDING_SRCS = sorted(p for p in (ROOT / "plugins" / "torch_binding").glob("*.cpp") if p != SCHEMAS_CPP)
 # modules beside ops.py that add ops to the dsa namespace with ops.define_op (imported when present)
 OP_MODULES = ("dsa_trt.plugins.fp8_ops",)
 
@@ -73,12 +75,15 @@ def test_python_schemas_are_the_registered_ones():
 
 
 def test_binding_implements_every_op_for_cuda():
-    impls = re.findall(r'm\.impl\("(\w+)"', _block(BINDING_CPP.read_text(), "TORCH_LIBRARY_IMPL(dsa, CUDA, m)"))
+    impls = [name for src in BINDING_SRCS
+             for name in re.findall(r'm\.impl\("(\w+)"', _block(src.read_text(), "TORCH_LIBRARY_IMPL(dsa, CUDA, m)"))]
     assert sorted(impls) == sorted(_all_ops()), (
-        f"TORCH_LIBRARY_IMPL(dsa, CUDA, m) of {BINDING_CPP.name} implements {sorted(impls)}; "
+        f"TORCH_LIBRARY_IMPL(dsa, CUDA, m) of {[p.name for p in BINDING_SRCS]} implements {sorted(impls)}; "
         f"the schema table has {sorted(_all_ops())}")
-    assert "TORCH_LIBRARY(dsa," not in BINDING_CPP.read_text(), (
-        "the binding must not define dsa schemas: it loads into Python processes where plugins/ops.py did")
+    for src in BINDING_SRCS:
+        assert "TORCH_LIBRARY(dsa," not in src.read_text(), (
+            f"{src.name}: the binding must not define dsa schemas: it loads into Python processes where "
+            "plugins/ops.py did")
 
 
 def test_lab_schemas_parse():
