@@ -262,21 +262,21 @@ def verify_engine_files(engine_dir: str | Path, cfg: EngineConfig, rank: int = 0
         path = engine_dir / name
         if not path.is_file():
             raise EngineDirError(f"{path}: listed in {MANIFEST_NAME} but missing; rebuild the engine")
-        size, want = path.stat().st_size, files[name]["size"]
-        if size != want:
-            raise EngineDirError(f"{path}: {size:,} bytes but {MANIFEST_NAME} recorded {want:,}; the file was "
-                                 "replaced or truncated: rebuild the engine (or restore the file)")
         if files[name].get("built_from", manifest["config_sha256"]) != manifest["config_sha256"]:
             raise EngineDirError(f"{path}: compiled from another engine_config.json than this directory's "
                                  f"({MANIFEST_NAME}); rebuild the engine")
-    if mode != "full":
-        return
+    digests = _hash_files([engine_dir / n for n in names]) if mode == "full" else [None] * len(names)
     by_digest = {e["sha256"]: n for n, e in files.items()}
-    for name, digest in zip(names, _hash_files([engine_dir / n for n in names])):
-        if digest != files[name]["sha256"]:
+    for name, digest in zip(names, digests):
+        path, entry = engine_dir / name, files[name]
+        size = path.stat().st_size
+        if digest is not None and digest != entry["sha256"]:
             other = by_digest.get(digest)
-            hint = f"it holds what {MANIFEST_NAME} records for {other} (files swapped or copied over?)" if other \
-                else "its content changed since the build (corruption, or an edit)"
-            raise EngineDirError(f"{engine_dir / name}: sha256 {digest[:16]}... does not match {MANIFEST_NAME} "
-                                 f"({files[name]['sha256'][:16]}...): {hint}; rebuild the engine or restore "
-                                 "the file (DSA_VERIFY_ENGINE=size|off skips this check)")
+            hint = (f"it holds what {MANIFEST_NAME} records for {other} (files swapped or copied over?)" if other
+                    else "its content changed since the build (corruption, or an edit)")
+            raise EngineDirError(f"{path}: sha256 {digest[:16]}... does not match {MANIFEST_NAME} "
+                                 f"({entry['sha256'][:16]}..., {size:,} vs {entry['size']:,} bytes): {hint}; "
+                                 "rebuild the engine or restore the file (DSA_VERIFY_ENGINE=size|off skips this)")
+        if size != entry["size"]:
+            raise EngineDirError(f"{path}: {size:,} bytes but {MANIFEST_NAME} recorded {entry['size']:,}; the file "
+                                 "was replaced or truncated: rebuild the engine (or restore the file)")
