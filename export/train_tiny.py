@@ -400,7 +400,9 @@ def save_trained_weights(tensors: dict[str, torch.Tensor], path: Path, recipe: R
     copies = set(mtp_shared_copies(tensors, tiny_hf_config().num_hidden_layers))
     kept = {n: t.contiguous() for n, t in tensors.items() if n not in copies}
     path.parent.mkdir(parents=True, exist_ok=True)
-    save_file(kept, str(path), metadata={"format": "pt", "recipe": repr(recipe)})
+    # One metadata key: safetensors writes the metadata map in no fixed order, so two keys would
+    # make runs with identical tensors differ in their header bytes.
+    save_file(kept, str(path), metadata={"recipe": repr(recipe)})
 
 
 def load_mtp(ckpt_dir: Path) -> MTPLayer:
