@@ -41,10 +41,6 @@ __device__ __forceinline__ uint32_t order_key(float x) { return order_key_bits(_
 __device__ __forceinline__ uint4 order_keys(const uint4 b) {
   return make_uint4(order_key_bits(b.x), order_key_bits(b.y), order_key_bits(b.z), order_key_bits(b.w));
 }
-template <bool B>
-struct BoolConst {
-  static constexpr bool value = B;
-};
 
 // Distributed shared memory with 32-bit shared::cluster addresses (mapa), cheaper in registers
 // than the 64-bit generic pointers of cg::map_shared_rank. The loads clobber memory: they stay

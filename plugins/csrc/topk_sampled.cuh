@@ -42,6 +42,155 @@ __device__ __forceinline__ bool sampled_select_applies(const int L, const int k)
   return sampled_path_possible(k) && L >= 16 * k;
 }
 
+// Step 1a: stage this CTA's share of the sample (ns vectors: runs of kSampleRun vectors, one run
+// per kSampleRun * stride vectors of the slice) in samp, as keys; positions past n_local as key 0
+// (the smallest). All loads in flight at once. Block-wide.
+template <int kThreads, class FetchRaw>
+__device__ __forceinline__ void stage_sample(uint4* samp, const int ns, const int stride, const int n_local,
+                                             const int nvec, FetchRaw& fetch_raw) {
+  constexpr int kVecsPer = kSamplePer / 4;
+  const int tid = threadIdx.x;
+  auto sample_vec = [&](int i) { return i / kSampleRun * (kSampleRun * stride) + i % kSampleRun; };
+  if (nvec > 0) {
+    uint4 q[kVecsPer];
+#pragma unroll
+    for (int j = 0; j < kVecsPer; ++j) q[j] = order_keys(fetch_raw(min(sample_vec(tid + j * kThreads), nvec - 1)));
+#pragma unroll
+    for (int j = 0; j < kVecsPer; ++j) {
+      const int i = tid + j * kThreads, v = sample_vec(i), e0 = 4 * v;
+      if (i < ns) {
+        const bool in = v < nvec;
+        samp[i] = make_uint4(in && e0 < n_local ? q[j].x : 0u, in && e0 + 1 < n_local ? q[j].y : 0u,
+                             in && e0 + 2 < n_local ? q[j].z : 0u, in && e0 + 3 < n_local ? q[j].w : 0u);
+      }
+    }
+  } else {
+    for (int i = tid; i < ns; i += kThreads) samp[i] = make_uint4(0u, 0u, 0u, 0u);
+  }
+}
+
+// Step 1b, after barrier (S): the whole cluster's sample (C * ns vectors, ns per CTA) into this
+// thread's registers sk, vector tid + j * kThreads in sk[j] (0 past the sample). Unpredicated
+// remote loads (a clamped address), masked after.
+template <int kThreads>
+__device__ __forceinline__ void gather_sample(const uint4* samp, const int ns, const int C,
+                                              uint4 (&sk)[kSamplePer / 4]) {
+  const int tid = threadIdx.x;
+#pragma unroll
+  for (int j = 0; j < kSamplePer / 4; ++j) {
+    const int g = tid + j * kThreads, r = g / ns;
+    const uint4 q = ld_cluster_v4(cluster_addr(samp + (r < C ? g - r * ns : 0), min(r, C - 1)));
+    sk[j] = r < C ? q : make_uint4(0u, 0u, 0u, 0u);
+  }
+}
+
+// Step 3's test: whether the sampled keys matching `prefix` at `shift` are all one value (into
+// t_key; x.kmin / x.kmax start at their neutral values). Block-wide; cluster-uniform (every CTA
+// holds the same sample).
+template <int kThreads>
+__device__ __forceinline__ bool sample_one_value(const uint4 (&sk)[kSamplePer / 4], const uint32_t prefix,
+                                                 const int shift, const int lane, SelectScratch<kThreads>& x,
+                                                 uint32_t& t_key) {
+  uint32_t mn = 0xFFFFFFFFu, mx = 0u;
+#pragma unroll
+  for (int j = 0; j < kSamplePer / 4; ++j) {
+    const uint32_t kk[4] = {sk[j].x, sk[j].y, sk[j].z, sk[j].w};
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+      if ((kk[e] >> shift) == prefix) {
+        mn = min(mn, kk[e]);
+        mx = max(mx, kk[e]);
+      }
+  }
+  mn = __reduce_min_sync(0xffffffffu, mn);
+  mx = __reduce_max_sync(0xffffffffu, mx);
+  if (lane == 0) {
+    atomicMin(&x.kmin, mn);
+    atomicMax(&x.kmax, mx);
+  }
+  __syncthreads();
+  t_key = x.kmin;
+  return t_key == x.kmax;
+}
+
+// Vectors of the sampled sweep in flight per thread.
+constexpr int kSweepUnroll = 8;
+
+// Step 3, one batch of the sweep: keys > t_key set bits of the selection bitmap (shared address
+// sel_s), keys == t_key of the tie bitmap (tie_s); vector v holds bits [4 (v % 8), + 4) of word
+// v / 8.
+template <int kThreads>
+__device__ __forceinline__ void mark_tied_batch(const uint4 (&q)[kSweepUnroll], const int v0, const uint32_t t_key,
+                                                const int n_local, const uint32_t sel_s, const uint32_t tie_s) {
+  const int tid = threadIdx.x;
+#pragma unroll
+  for (int u = 0; u < kSweepUnroll; ++u) {
+    const int v = v0 + u * kThreads + tid;
+    const uint32_t valid = (1u << min(max(n_local - 4 * v, 0), 4)) - 1u;
+    const uint4 key = order_keys(q[u]);
+    const uint32_t kk[4] = {key.x, key.y, key.z, key.w};
+    uint32_t gm = 0, em = 0;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) gm |= (uint32_t)(kk[e] > t_key) << e;
+    asm volatile("" : "+r"(gm));  // packed before the == compares (see sweep_mark in topk_cluster.cuh)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) em |= (uint32_t)(kk[e] == t_key) << e;
+    gm &= valid;
+    em &= valid;
+    red_or_shared_if(gm != 0, sel_s + 4 * (v >> 3), gm << (4 * (v & 7)));
+    red_or_shared_if(em != 0, tie_s + 4 * (v >> 3), em << (4 * (v & 7)));
+  }
+}
+
+// Step 2, one batch of the sweep: keys >= t_low -> candidates (key, position) in s.cand (past the
+// cap only counted). Per key one compare of its float bits b: key(b) >= t_low <=> sortable(b) >=
+// thr (signed), sortable(b) = b with the magnitude bits flipped when negative, and for t_low >=
+// key(+0.0) (thr >= 0, kNonneg) simply b >= thr. Then one shared atomic per warp and batch (lane
+// 31 adds the warp's total, a scan gives each lane its slots). With an atomic per thread and
+// vector and keys converted on load, the sweep was bound by these visits; now by its loads.
+// Marking candidates in a bitmap instead (fewer instructions, the keys read again after the
+// sweep) is slower.
+template <int kThreads, bool kNonneg>
+__device__ __forceinline__ void collect_candidates_batch(const uint4 (&q)[kSweepUnroll], const int v0,
+                                                         const int32_t thr, const int n_local, const int start,
+                                                         const int lane, const SelectSmem<kThreads>& s) {
+  SelectScratch<kThreads>& x = *s.x;
+  const int tid = threadIdx.x;
+  const bool whole = v0 + kSweepUnroll * kThreads <= n_local / 4;  // CTA-uniform: no vector to mask
+  uint32_t ems = 0;  // bit 4u + e: key e of vector u is a candidate
+#pragma unroll
+  for (int u = 0; u < kSweepUnroll; ++u) {
+    const uint32_t kk[4] = {q[u].x, q[u].y, q[u].z, q[u].w};
+    uint32_t em = 0;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int32_t b = (int32_t)kk[e];
+      const int32_t sortable = kNonneg ? b : (b ^ ((b >> 31) & 0x7FFFFFFF));
+      em |= (uint32_t)(sortable >= thr) << e;
+    }
+    if (!whole) em &= (1u << min(max(n_local - 4 * (v0 + u * kThreads + tid), 0), 4)) - 1u;
+    ems |= em << (4 * u);
+  }
+  const uint32_t n = (uint32_t)__popc(ems);
+  const uint32_t incl = warp_inclusive_scan(n);
+  const uint32_t total = __shfl_sync(0xffffffffu, incl, 31);
+  if (total == 0) return;  // warp-uniform
+  uint32_t base = 0;
+  if (lane == 31) base = atomicAdd(&x.ncand, total);
+  uint32_t slot = __shfl_sync(0xffffffffu, base, 31) + incl - n;
+#pragma unroll
+  for (int u = 0; u < kSweepUnroll; ++u) {
+    const uint32_t kk[4] = {q[u].x, q[u].y, q[u].z, q[u].w};
+    const uint32_t pos = (uint32_t)(start + 4 * (v0 + u * kThreads + tid));
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+      if (ems & (1u << (4 * u + e))) {
+        if (slot < (uint32_t)kCandCap) s.cand[slot] = make_uint2(order_key_bits(kk[e]), pos + e);
+        ++slot;
+      }
+  }
+}
+
 // The k (< L) largest keys of the row -> out, as cluster_select_emit, or false (cluster-uniform,
 // nothing written, every CTA past a cluster barrier) when the sample does not settle the row.
 // s.hist0 is not used; fetch_raw(v) returns the float bits of local positions [4v, 4v + 4) (as
@@ -69,34 +218,12 @@ __device__ __forceinline__ bool sampled_select_emit(cg::cluster_group& cluster, 
     x.kmin = 0xFFFFFFFFu;
     x.kmax = 0u;
   }
-  auto sample_vec = [&](int i) { return i / kSampleRun * (kSampleRun * stride) + i % kSampleRun; };
-  auto fetch = [&](int v) { return order_keys(fetch_raw(v)); };
 
   // ---- 1. sample (positions past n_local as key 0, the smallest), all loads in flight at once
-  if (nvec > 0) {
-    uint4 q[kVecsPer];
-#pragma unroll
-    for (int j = 0; j < kVecsPer; ++j) q[j] = fetch(min(sample_vec(tid + j * kThreads), nvec - 1));
-#pragma unroll
-    for (int j = 0; j < kVecsPer; ++j) {
-      const int i = tid + j * kThreads, v = sample_vec(i), e0 = 4 * v;
-      if (i < ns) {
-        const bool in = v < nvec;
-        samp[i] = make_uint4(in && e0 < n_local ? q[j].x : 0u, in && e0 + 1 < n_local ? q[j].y : 0u,
-                             in && e0 + 2 < n_local ? q[j].z : 0u, in && e0 + 3 < n_local ? q[j].w : 0u);
-      }
-    }
-  } else {
-    for (int i = tid; i < ns; i += kThreads) samp[i] = make_uint4(0u, 0u, 0u, 0u);
-  }
+  stage_sample<kThreads>(samp, ns, stride, n_local, nvec, fetch_raw);
   cluster.sync();  // (S) every CTA's sample is staged
   uint4 sk[kVecsPer];
-#pragma unroll
-  for (int j = 0; j < kVecsPer; ++j) {  // unpredicated remote loads (a clamped address), masked after
-    const int g = tid + j * kThreads, r = g / ns;
-    const uint4 q = ld_cluster_v4(cluster_addr(samp + (r < C ? g - r * ns : 0), min(r, C - 1)));
-    sk[j] = r < C ? q : make_uint4(0u, 0u, 0u, 0u);
-  }
+  gather_sample<kThreads>(samp, ns, C, sk);
   cluster_arrive();  // this CTA's remote reads of the samples are done (waited for before they are overwritten)
   // The sample's m-th largest key to 22 bits: two local passes of 11 bits (warp-aggregated: a
   // sample of massive ties would otherwise serialise on one bin).
@@ -124,30 +251,9 @@ __device__ __forceinline__ bool sampled_select_emit(cg::cluster_group& cluster, 
   // full select (before the slice is read).
   const bool ties = (uint64_t)(m - k_rem + count) * (uint64_t)stride > (uint64_t)kSampleEstCap;
   uint32_t t_key = 0;
-  if (ties) {  // cluster-uniform (every CTA holds the same sample)
-    uint32_t mn = 0xFFFFFFFFu, mx = 0u;
-#pragma unroll
-    for (int j = 0; j < kVecsPer; ++j) {
-      const uint32_t kk[4] = {sk[j].x, sk[j].y, sk[j].z, sk[j].w};
-#pragma unroll
-      for (int e = 0; e < 4; ++e)
-        if ((kk[e] >> shift) == prefix) {
-          mn = min(mn, kk[e]);
-          mx = max(mx, kk[e]);
-        }
-    }
-    mn = __reduce_min_sync(0xffffffffu, mn);
-    mx = __reduce_max_sync(0xffffffffu, mx);
-    if (lane == 0) {
-      atomicMin(&x.kmin, mn);
-      atomicMax(&x.kmax, mx);
-    }
-    __syncthreads();
-    t_key = x.kmin;
-    if (t_key != x.kmax) {
-      cluster_wait();  // every CTA's sample reads are done (the select rewrites the bitmaps)
-      return false;
-    }
+  if (ties && !sample_one_value<kThreads>(sk, prefix, shift, lane, x, t_key)) {  // cluster-uniform
+    cluster_wait();  // every CTA's sample reads are done (the select rewrites the bitmaps)
+    return false;
   }
 
   // ---- 2. one sweep: visit(keys of vector v, v) for every vector of the slice, kUnroll loads in
@@ -156,7 +262,7 @@ __device__ __forceinline__ bool sampled_select_emit(cg::cluster_group& cluster, 
   // other CTAs' samples behind it in DRAM, and L2 prefetches of it stall the warps about as long
   // as the sweep then saves.
   // visit(q, v0) gets a batch: q[u] holds the float bits of vector v0 + u * kThreads + tid.
-  constexpr int kUnroll = 8;
+  constexpr int kUnroll = kSweepUnroll;
   auto sweep = [&](auto&& visit) {
     for (int v0 = 0; v0 < nvec; v0 += kUnroll * kThreads) {
       uint4 q[kUnroll];
@@ -183,23 +289,7 @@ __device__ __forceinline__ bool sampled_select_emit(cg::cluster_group& cluster, 
     __syncthreads();
     const uint32_t sel_s = smem_addr(sel_bits), tie_s = smem_addr(tie_bits);
     sweep([&](const uint4 (&q)[kUnroll], const int v0) {
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int v = v0 + u * kThreads + tid;
-        const uint32_t valid = (1u << min(max(n_local - 4 * v, 0), 4)) - 1u;
-        const uint4 key = order_keys(q[u]);
-        const uint32_t kk[4] = {key.x, key.y, key.z, key.w};
-        uint32_t gm = 0, em = 0;
-#pragma unroll
-        for (int e = 0; e < 4; ++e) gm |= (uint32_t)(kk[e] > t_key) << e;
-        asm volatile("" : "+r"(gm));  // packed before the == compares (see the sweep of cluster_select_emit)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) em |= (uint32_t)(kk[e] == t_key) << e;
-        gm &= valid;
-        em &= valid;
-        red_or_shared_if(gm != 0, sel_s + 4 * (v >> 3), gm << (4 * (v & 7)));
-        red_or_shared_if(em != 0, tie_s + 4 * (v >> 3), em << (4 * (v & 7)));
-      }
+      mark_tied_batch<kThreads>(q, v0, t_key, n_local, sel_s, tie_s);
     });
     __syncthreads();  // the bitmaps are complete
     const EmitCounts c = emit_counts<kThreads, true>(cluster, s, n_local, chunk);
@@ -209,53 +299,17 @@ __device__ __forceinline__ bool sampled_select_emit(cg::cluster_group& cluster, 
     return true;
   }
 
-  // ---- 2. keys >= t_low -> candidates (past the cap only counted), a batch at a time: per key
-  // one compare of its float bits b, key(b) >= t_low <=> sortable(b) >= thr (signed), sortable(b)
-  // = b with the magnitude bits flipped when negative, and for t_low >= key(+0.0) (thr >= 0)
-  // simply b >= thr. Then one shared atomic per warp and batch (lane 31 adds the warp's total, a
-  // scan gives each lane its slots): the sweep was bound by its visits (an atomic per thread and
-  // vector, keys converted on load), and is now bound by its loads; marking candidates in a bitmap
-  // instead (fewer instructions, the keys read again after the sweep) is slower.
+  // ---- 2. keys >= t_low -> candidates (collect_candidates_batch), then the candidate step of the
+  // select
   const int32_t thr = (int32_t)(t_low ^ 0x80000000u);
-  auto collect = [&](auto nonneg, const uint4 (&q)[kUnroll], const int v0) {
-    const bool whole = v0 + kUnroll * kThreads <= n_local / 4;  // CTA-uniform: no vector to mask
-    uint32_t ems = 0;  // bit 4u + e: key e of vector u is a candidate
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const uint32_t kk[4] = {q[u].x, q[u].y, q[u].z, q[u].w};
-      uint32_t em = 0;
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int32_t b = (int32_t)kk[e];
-        const int32_t sortable = decltype(nonneg)::value ? b : (b ^ ((b >> 31) & 0x7FFFFFFF));
-        em |= (uint32_t)(sortable >= thr) << e;
-      }
-      if (!whole) em &= (1u << min(max(n_local - 4 * (v0 + u * kThreads + tid), 0), 4)) - 1u;
-      ems |= em << (4 * u);
-    }
-    const uint32_t n = (uint32_t)__popc(ems);
-    const uint32_t incl = warp_inclusive_scan(n);
-    const uint32_t total = __shfl_sync(0xffffffffu, incl, 31);
-    if (total == 0) return;  // warp-uniform
-    uint32_t base = 0;
-    if (lane == 31) base = atomicAdd(&x.ncand, total);
-    uint32_t slot = __shfl_sync(0xffffffffu, base, 31) + incl - n;
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const uint32_t kk[4] = {q[u].x, q[u].y, q[u].z, q[u].w};
-      const uint32_t pos = (uint32_t)(start + 4 * (v0 + u * kThreads + tid));
-#pragma unroll
-      for (int e = 0; e < 4; ++e)
-        if (ems & (1u << (4 * u + e))) {
-          if (slot < (uint32_t)kCandCap) s.cand[slot] = make_uint2(order_key_bits(kk[e]), pos + e);
-          ++slot;
-        }
-    }
-  };
   if (thr >= 0)
-    sweep([&](const uint4 (&q)[kUnroll], const int v0) { collect(BoolConst<true>{}, q, v0); });
+    sweep([&](const uint4 (&q)[kUnroll], const int v0) {
+      collect_candidates_batch<kThreads, true>(q, v0, thr, n_local, start, lane, s);
+    });
   else
-    sweep([&](const uint4 (&q)[kUnroll], const int v0) { collect(BoolConst<false>{}, q, v0); });
+    sweep([&](const uint4 (&q)[kUnroll], const int v0) {
+      collect_candidates_batch<kThreads, false>(q, v0, thr, n_local, start, lane, s);
+    });
   cluster_wait();  // (pairs the arrive after the sample reads)
   cluster.sync();  // (C) every CTA's candidates are written
   const uint32_t total = candidate_offsets<kThreads>(C, x);
