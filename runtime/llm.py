@@ -58,6 +58,13 @@ class StepDelta:
     output: CompletionOutput  # the request's state after this step
 
 
+def _kernels_capturable() -> bool:
+    """DSA_KERNELS=reference runs the plain-torch ops, whose host reads cannot be captured in a CUDA graph."""
+    from dsa_trt.plugins import cuda_ops
+
+    return cuda_ops.resolve_mode() != "reference"
+
+
 class LLM:
     def __init__(self, engine: str | Path | Engine, num_pages: int | None = None,
                  cache_fraction: float | None = None, max_num_tokens: int | None = None, max_num_seqs: int = 256,
@@ -79,7 +86,7 @@ class LLM:
         self.pool = PagePool(pages)
         self.mla_pools, self.index_pools = allocate_pools(cfg.model, cfg.cache_mode, pages, self.device)
         self.graphs = None
-        if self.device.type == "cuda" and knobs.get("DSA_CUDA_GRAPHS") == "1":
+        if self.device.type == "cuda" and knobs.get("DSA_CUDA_GRAPHS") == "1" and _kernels_capturable():
             from .cuda_graphs import CudaGraphRunner
 
             self.graphs = CudaGraphRunner(self.engine, self.mla_pools, self.index_pools, max_num_seqs,
