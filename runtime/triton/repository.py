@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from dsa_trt.cache_layout import BYTES_PER_INT32, index_page_shape, mla_page_shape
+from dsa_trt.cache_layout import BYTES_PER_INT32, PAGE_SIZE, index_page_shape, mla_page_shape
 from dsa_trt.engine_config import EngineConfig, EngineDirError
 from dsa_trt.step import LOGITS, POOL_OUTPUT_SUFFIX, STEP_FIELDS, pool_input_name
 
