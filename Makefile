@@ -80,7 +80,7 @@ $(TORCH_SHIM):
 	printf '#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n' > $@
 
 # compile-only check (no link) of the binding and the step runner: works on a CPU torch wheel (CI)
-torch-ops-check: $(TORCH_SHIM)
+torch-ops-check: setup $(TORCH_SHIM)
 	$(CXX) $(TORCH_CXXFLAGS) -isystem build/torch-shim -Wall -Wextra -Werror -fsyntax-only $(TORCH_OPS_SRC)
 	$(CXX) $(TORCH_CXXFLAGS) -isystem build/torch-shim -Wall -Wextra -Werror -fsyntax-only $(STEP_SRCS)
 
