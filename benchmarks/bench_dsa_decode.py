@@ -3,12 +3,10 @@ the paged fp8 caches, beside FlashMLA's dense decode on the same H200 (measured 
 
     python benchmarks/bench_dsa_decode.py [--batches 1 128] [--context 131072] [--iters 20]
 
-Every column (each piece alone, the two-kernel chain, and the chain through indexer_topk's auto
-path, fused or two-kernel by its cost model) is its own CUDA graph, replayed after an L2 flush
-(pools scattered at random), median of --iters: "P (E)" = P µs from the profiler (first kernel
-start to last kernel end, the peers' measure), E µs from CUDA events around the replay
-(timing.time_both_us). The plan that
-indexer_topk chose for each batch is printed under the table.
+Every column (each piece alone and the whole chain) is its own CUDA graph, replayed after an L2
+flush (pools scattered at random), median of --iters: "P (E)" = P µs from the profiler (first
+kernel start to last kernel end, the peers' measure), E µs from CUDA events around the replay
+(timing.time_both_us).
 """
 
 from __future__ import annotations
@@ -40,11 +38,9 @@ def main() -> None:
     cuda_ops.load("cuda")
     dev = "cuda"
     flush = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
-    plans = []
-    print("| batch | context | logits µs | top-k µs | logits+top-k fused op µs | sparse MLA µs | "
-          "DSA total (two kernels) µs | DSA total (indexer_topk auto) µs | FlashMLA dense µs | "
+    print("| batch | context | logits µs | top-k µs | sparse MLA µs | DSA total µs | FlashMLA dense µs | "
           "peers' pieces µs | target µs |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for b in a.batches:
         pages = a.context // PAGE_SIZE
         num_pages = b * pages
@@ -66,7 +62,6 @@ def main() -> None:
 
         t_logits = timed(lambda: ops.indexer_logits(q_i, w, idx_pool, table, req, lens))
         t_topk = timed(lambda: ops.topk_translate(logits, lens, table, req, TOPK))
-        t_fused = timed(lambda: cuda_ops.indexer_topk(q_i, w, idx_pool, table, req, lens, TOPK))
         t_mla = timed(lambda: ops.sparse_mla(q, mla_pool, slots, 0.01, 0.1352))
 
         def chain():
@@ -74,21 +69,12 @@ def main() -> None:
             sl = ops.topk_translate(lg, lens, table, req, TOPK)
             return ops.sparse_mla(q, mla_pool, sl, 0.01, 0.1352)
 
-        def chain_auto():
-            sl = cuda_ops.indexer_topk(q_i, w, idx_pool, table, req, lens, TOPK)
-            return ops.sparse_mla(q, mla_pool, sl, 0.01, 0.1352)
-
         total = timed(chain)
-        total_auto = timed(chain_auto)
-        plans.append((b, cuda_ops.indexer_topk_plan(q_i, w, idx_pool, table, req, lens, TOPK)))
-        print(f"| {b} | {a.context} | {t_logits} | {t_topk} | {t_fused} | {t_mla} | {total} | "
-              f"{total_auto} | {DENSE_FLASHMLA_US.get(b, float('nan'))} | "
+        print(f"| {b} | {a.context} | {t_logits} | {t_topk} | {t_mla} | {total} | "
+              f"{DENSE_FLASHMLA_US.get(b, float('nan'))} | "
               f"{PEERS_PIECES_US.get(b, float('nan'))} | {TARGET_US.get(b, float('nan'))} |", flush=True)
         del idx_pool, mla_pool, logits, slots
         torch.cuda.empty_cache()
-    print()
-    for b, plan in plans:
-        print(f"indexer_topk plan, batch {b}: {plan}")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Benchmark: paged fp8 indexer logits and fused top-k + page translation (our CUDA kernels).
+"""Benchmark: paged fp8 indexer logits and top-k + page translation (our CUDA kernels).
 
 Method (the peers' published one; benchmarks/RESULTS.md): random inputs; before every timed call an L2 flush
 (bitwise_not_ over 256 MB); the call is captured once in a CUDA graph; 3 warm-ups; median of
@@ -19,12 +19,7 @@ FLOPs and bytes like the peer it is compared with (the peers' own counting funct
   size: short reads stay far from the copy ceiling (ramp-up, the flush's dirty lines written back
   meanwhile). The floors themselves (a kernel that only reads the same pages, every load in
   flight) come from benchmarks/read_floor.py.
-* fused logits + top-k (indexer_topk): the paged decode logits' FLOPs and bytes with the [B, S]
-  logits write replaced by the slots written (B*k*4): no logits touch memory on the fused path.
-  Each fused row also times the logits kernel alone on the same inputs (the ratio's denominator),
-  and the fused and unfused (two-kernel) paths forced, to calibrate the dispatch in indexer_topk.cu.
-
-Usage: python benchmarks/bench_indexer_topk.py [--iters 20] [--md out.md] [--only logits|fused|topk]
+Usage: python benchmarks/bench_indexer_topk.py [--iters 20] [--md out.md] [--only logits|topk]
 """
 
 from __future__ import annotations
@@ -63,14 +58,6 @@ def count_topk(rows: int, width: int) -> tuple[float, float]:
     return 0.0, rows * width * 4 + rows * TOPK * 4
 
 
-def count_fused(batch: int, ctx: int) -> tuple[float, float]:
-    sum_len = batch * ctx
-    flops = 2.0 * sum_len * H * D
-    nbytes = batch * H * D * 2 + batch * H * 4 + sum_len * (D + 4) + batch * TOPK * 4
-    return flops, nbytes
-
-
-# ---------------------------------------------------------------- inputs
 def random_index_pool(num_pages: int, g: torch.Generator) -> torch.Tensor:
     """Random e4m3 keys (no NaN codes) and positive power-of-two scales."""
     mag = torch.randint(0, 0x7F, (num_pages, 8192), generator=g, device="cuda", dtype=torch.uint8)
@@ -139,8 +126,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--md", default=None)
-    ap.add_argument("--only", choices=("logits", "fused", "topk"), default=None,
-                    help="run only the logits rows, the fused logits + top-k rows or the top-k + translation rows")
+    ap.add_argument("--only", choices=("logits", "topk"), default=None,
+                    help="run only the logits rows or the top-k + translation rows")
     args = ap.parse_args()
     assert K.library() is not None, K.library_error()
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -148,20 +135,17 @@ def main() -> None:
     lines = ["| case | µs | TFLOP/s | TB/s | % of roofline | events µs | read-only µs | peer µs (H200) |",
              "|---|---:|---:|---:|---:|---:|---:|---|"]
 
-    fused_lines = []
     if args.only != "topk":
         pool_pages = 128 * 2048 + 64
         pool = random_index_pool(pool_pages, g)
         if args.only in (None, "logits"):
             logits_rows(pool, pool_pages, g, flush, args, lines)
-        if args.only in (None, "fused"):
-            fused_lines = fused_rows(pool, pool_pages, g, flush, args)
         del pool
         torch.cuda.empty_cache()
     if args.only in (None, "topk"):
         topk_rows(g, flush, args, lines)
 
-    table = "\n\n".join("\n".join(t) for t in (lines, fused_lines) if len(t) > 2)
+    table = "\n".join(lines)
     print("\n" + table)
     if args.md:
         with open(args.md, "w") as f:
@@ -194,41 +178,6 @@ def logits_rows(pool, pool_pages, g, flush, args, lines) -> None:
     flops, nbytes = count_prefill_logits(s, skv)
     lines.append(row(f"logits prefill S={s} SKV=32K H=64", us, flops, nbytes, "1817 DeepGEMM (non-paged)", note))
     print(lines[-1], flush=True)
-
-
-def fused_rows(pool, pool_pages, g, flush, args) -> list[str]:
-    """Fused logits + top-k + translation (decode) against the logits kernel alone on the same inputs."""
-    lines = ["| case | fused µs | TFLOP/s | TB/s | % of roofline | logits-only µs | fused / logits "
-             "| forced fused µs | unfused µs | fused events µs | plan (auto) |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
-    for batch, ctx_k in ((1, 128), (32, 128), (128, 128), (32, 32)):
-        ctx = ctx_k * 1024
-        seq = torch.full((batch,), ctx, device="cuda")
-        q, w, pt, ri, seq = logits_inputs(pool_pages, batch, ctx // 64, seq, g)
-        logits_out = torch.empty(batch, ctx, device="cuda")
-        logits_us, _ = run_case(lambda: K.indexer_logits(q, w, pool, pt, ri, seq, out=logits_out), flush, args.iters)
-        logits_out = None  # free it before the fused and unfused runs
-        try:
-            plan = K.indexer_topk_plan(q, w, pool, pt, ri, seq, TOPK)
-        except (RuntimeError, ValueError) as e:
-            plan = f"UNSUPPORTED ({str(e)[:80]})"
-        us, note = run_case(lambda: K.indexer_topk(q, w, pool, pt, ri, seq, TOPK), flush, args.iters)
-        forced = {}
-        for path in ("fused", "unfused"):
-            t, n = run_case(lambda: K.indexer_topk(q, w, pool, pt, ri, seq, TOPK, path=path), flush, args.iters)
-            forced[path] = f"{t[0]:.1f}" if t is not None else n
-        flops, nbytes = count_fused(batch, ctx)
-        shape = f"fused logits+topk B={batch} ctx={ctx_k}K H=64 k=2048"
-        if us is None:
-            lines.append(f"| {shape} | {note} | | | | | | | | | {plan} |")
-        else:
-            ratio = f"{us[0] / logits_us[0]:.3f}" if logits_us else "—"
-            logits_txt = f"{logits_us[0]:.1f}" if logits_us else "—"
-            lines.append(f"| {shape} | {roof_cells(us[0], flops, nbytes)} | {logits_txt} | {ratio} | {forced['fused']} "
-                         f"| {forced['unfused']} | {us[1]:.1f} | {plan} |")
-        print(lines[-1], flush=True)
-        torch.cuda.empty_cache()
-    return lines
 
 
 def topk_rows(g, flush, args, lines) -> None:

@@ -45,7 +45,7 @@ KERNEL_LIB_ENV = "DSA_KERNEL_LIB"
 MLA_SPLITS_ENV = "DSA_MLA_SPLITS"
 BUILD_DIR = Path(__file__).resolve().parents[1] / "build"
 DEFAULT_LIB = BUILD_DIR / "libdsa_torch_ops.so"
-ABI_VERSION = 1  # = kAbiVersion of dsa_torch_ops.cpp: another value means a stale build
+ABI_VERSION = 2  # = kAbiVersion of dsa_torch_ops.cpp: another value means a stale build
 MODES = ("cuda", "reference")
 FIX = "build it with `make kernels torch-ops`, or set DSA_KERNELS=reference for the slow plain-torch reference"
 
@@ -74,8 +74,7 @@ class TorchOpsLibrary:
         if missing:
             raise RuntimeError(f"{path} registers no CUDA kernel for dsa::{', dsa::'.join(missing)} (stale build?): "
                                "rebuild it with `make kernels torch-ops`")
-        # the ops with a CUDA kernel (the engine's and the lab's)
-        self.launchers = frozenset(ops.OPS) | {"indexer_topk"}
+        self.launchers = frozenset(ops.OPS)  # the ops with a CUDA kernel
 
     def last_error(self) -> str:
         return torch.ops.dsa_lab.last_error()
@@ -85,10 +84,6 @@ class TorchOpsLibrary:
 
     def topk_workspace_size(self, rows: int, max_len: int, k: int) -> int:
         return torch.ops.dsa_lab.topk_translate_workspace_size(rows, max_len, k)
-
-    def indexer_topk_workspace_size(self, num_tokens: int, num_heads: int, max_pages: int, k: int, fmt: int,
-                                    path: int) -> int:
-        return torch.ops.dsa_lab.indexer_topk_workspace_size(num_tokens, num_heads, max_pages, k, fmt, path)
 
 
 _lib: TorchOpsLibrary | None = None
@@ -237,31 +232,6 @@ def _mla_splits(num_splits: int | None) -> int:
         raise ValueError(f"dsa::sparse_mla: num_splits={num_splits!r} must be an int >= 0 "
                          "(0 = auto, 1 = unsplit, n = n chunks)")
     return num_splits
-
-
-def indexer_topk(q, weights, pool, page_table, req_idx, seq_lens, k: int, *, indices: bool = False,
-                 path: str = "auto", cluster_size: int = 0, warpgroups: int = 0):
-    """slots [T, k] int32 (and raw indices [T, k] when indices=True): the same selection as
-    topk_translate(indexer_logits(q, weights, pool, page_table, req_idx, seq_lens), seq_lens,
-    page_table, req_idx, k) as a set per row, without the [T, S] logits in memory on the fused path.
-
-    path: "auto" (the launcher's cost estimate), "fused" or "unfused" (the two kernels through a
-    workspace); cluster_size / warpgroups (0 = auto) force the fused shape (tests, tuning)."""
-    lab = _lab()
-    k = _k("indexer_topk", k)
-    num_tokens = q.shape[0] if isinstance(q, torch.Tensor) and q.dim() > 0 else 0
-    slots = torch.empty((num_tokens, k), dtype=torch.int32, device=pool.device)
-    idx = torch.empty_like(slots) if indices else None
-    lab.indexer_topk_into(q, weights, pool, page_table, req_idx, seq_lens, k, slots, idx, path, int(cluster_size),
-                          int(warpgroups))
-    return (slots, idx) if indices else slots
-
-
-def indexer_topk_plan(q, weights, pool, page_table, req_idx, seq_lens, k: int, *, path: str = "auto",
-                      cluster_size: int = 0, warpgroups: int = 0) -> str:
-    """What indexer_topk(...) with these arguments runs (fused cluster shapes or unfused, estimates)."""
-    return _lab().indexer_topk_plan(q, weights, pool, page_table, req_idx, seq_lens, _k("indexer_topk", k), path,
-                                    int(cluster_size), int(warpgroups))
 
 
 def sparse_mla(q, pool, slots, kv_scale: float, sm_scale: float, *, num_splits: int | None = None):

@@ -1,4 +1,4 @@
-"""CUDA kernels of the cache writes, indexer logits and fused top-k + translation (plugins/csrc)
+"""CUDA kernels of the cache writes, indexer logits and top-k + page translation (plugins/csrc)
 against the independent references in tests/helpers/ref_dsa_ops.py. Runs on the H200; skips without CUDA."""
 
 from __future__ import annotations
@@ -269,6 +269,29 @@ def test_indexer_logits_unsupported_heads_message(K):
     with pytest.raises(ValueError, match="lengths dtype torch.int64"):
         K.topk_translate(torch.zeros(2, 64, device=DEV), torch.zeros(2, dtype=torch.int64, device=DEV),
                          torch.zeros(1, 1, dtype=torch.int32, device=DEV), torch.zeros(2, dtype=torch.int32, device=DEV), 4)
+
+
+_STRIDED_Q = """
+import torch
+from dsa_trt.plugins import cuda_ops as K
+assert K.load("cuda")
+pool = torch.zeros(4, 64 * 132, dtype=torch.uint8, device="cuda")
+q = torch.zeros(2, 64, 256, dtype=torch.float8_e4m3fn, device="cuda")[..., :128]
+w = torch.ones(2, 64, device="cuda")
+one = torch.zeros(1, 1, dtype=torch.int32, device="cuda")
+try:
+    K.indexer_logits(q, w, pool, one, torch.zeros(2, dtype=torch.int32, device="cuda"),
+                     torch.full((2,), 64, dtype=torch.int32, device="cuda"))
+except ValueError as e:
+    print("RAISED", e)
+"""
+
+
+def test_indexer_logits_strided_q_is_an_error_not_a_crash():
+    # its own process: a crash in the binding's error path (seen once, through a removed op that
+    # shared these checks) must fail this test, not end the test run
+    r = subprocess.run([sys.executable, "-c", _STRIDED_Q], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "q must be contiguous" in r.stdout, (r.returncode, r.stdout, r.stderr[-2000:])
 
 
 # ---------------------------------------------------------------- top-k + translation

@@ -89,7 +89,7 @@ def test_binding_implements_every_op_for_cuda():
 def test_lab_schemas_parse():
     """The binding's own dsa_lab schemas are valid schema strings (a typo would only show at load on the GPU)."""
     lab = cpp_schemas(BINDING_CPP.read_text(), "TORCH_LIBRARY(dsa_lab, m)")
-    assert {"abi_version", "sparse_mla", "indexer_topk_into", "sparse_mla_launch"} <= set(lab)
+    assert {"abi_version", "sparse_mla", "indexer_logits_into", "sparse_mla_launch"} <= set(lab)
     for name, schema in lab.items():
         torch._C.parse_schema(f"dsa_lab::{name}{schema}")
 

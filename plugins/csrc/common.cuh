@@ -100,7 +100,7 @@ int dsa_kernel_attributes(const char* op, const void* kernel, size_t smem_bytes,
 static inline int64_t dsa_ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // Programmatic dependent launch (sm_90). The decode chain's kernels (indexer logits, top-k, the
-// fused indexer + top-k, sparse MLA and its combine) are launched with dsa_pdl_attr(), so each
+// sparse MLA and its combine) are launched with dsa_pdl_attr(), so each
 // one's launch and scheduling overlap the previous kernel's tail instead of following its drain.
 // Such a kernel calls dsa_pdl_wait() before its first global-memory access, read or write (the
 // previous kernel's writes are visible after it; the kernel may still read what ours writes), and

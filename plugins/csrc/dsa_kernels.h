@@ -113,54 +113,6 @@ typedef struct {
 size_t dsa_topk_translate_workspace_size(int64_t rows, int64_t max_len, int k);
 int dsa_launch_topk_translate(const DsaTopkTranslateParams* p, cudaStream_t stream);
 
-// ---------------------------------------------------------------- DsaIndexerTopk (decode)
-// DsaIndexerLogits followed by DsaTopkTranslate (lengths = seq_lens) without the [T, S] fp32
-// logits in memory: the same slots / indices per token as a set (ties at the k-th score go to
-// the lowest positions in both; the order inside a row is unspecified). fp8 pool: one
-// thread-block cluster per token scores its pages into shared memory and selects there
-// ("fused"). The two kernels through `workspace` ("unfused") run for the bf16 pool, and for the
-// fp8 pool where the launcher's cost estimate says they are faster.
-//   path AUTO: the cheaper by that estimate (indexer_topk.cu); fused whenever workspace is NULL
-//        and a fused shape fits. FUSED / UNFUSED force one: FUSED fails with
-//        DSA_ERR_UNSUPPORTED where a token's keys do not fit its cluster's shared memory, UNFUSED
-//        needs the workspace.
-//   cluster_size (1, 2, 4, 8, 16) and warpgroups per CTA (2, 4): 0 = the launcher's choice;
-//        others force the fused shape (tests, tuning).
-typedef enum {
-  DSA_INDEXER_TOPK_AUTO = 0,
-  DSA_INDEXER_TOPK_FUSED = 1,
-  DSA_INDEXER_TOPK_UNFUSED = 2,
-} DsaIndexerTopkPath;
-
-typedef struct {
-  const void* q;              // [T, heads, 128] e4m3 (scales folded into w); bf16 pool: bf16
-  const float* weights;       // [T, heads] fp32
-  const void* pool;           // indexer pool: fp8 [num_pages, 64*132] uint8; bf16 [num_pages, 64, 128]
-  const int32_t* page_table;  // [batch, max_pages]
-  const int32_t* req_idx;     // [T] row of page_table for each query token
-  const int32_t* seq_lens;    // [T] candidates (visible keys) of each query token
-  int32_t* slots;             // [T, k] out; -1 in the j >= seq_len tail
-  int32_t* indices;           // [T, k] out, raw positions (may be NULL)
-  int64_t num_tokens;         // T
-  int num_heads;              // 64 (V3.2) or 32 (GLM-5)
-  int max_pages;
-  int k;                      // >= 1
-  int format;                 // DsaCacheFormat
-  int path;                   // DsaIndexerTopkPath
-  int cluster_size;           // 0 = auto
-  int warpgroups;             // 0 = auto
-  void* workspace;            // dsa_indexer_topk_workspace_size() bytes, 16-byte aligned (may be NULL)
-} DsaIndexerTopkParams;
-
-// Bytes of workspace any launch with at most num_tokens tokens (same other arguments) may use
-// under `path` on the current device: the unfused path's logits [T, max_pages*64] fp32. 0 where
-// the path is always fused.
-size_t dsa_indexer_topk_workspace_size(int64_t num_tokens, int num_heads, int max_pages, int k, int format, int path);
-int dsa_launch_indexer_topk(const DsaIndexerTopkParams* p, cudaStream_t stream);
-// What dsa_launch_indexer_topk(p) would run, without running it: buf gets a one-line description
-// (path, cluster shapes, estimates). Returns 0 or the DSA_ERR_* the launcher would return first.
-int dsa_indexer_topk_describe(const DsaIndexerTopkParams* p, char* buf, size_t len);
-
 // ---------------------------------------------------------------- DsaSparseMla
 // out[t,h] = sum_j softmax_j(sm_scale * q[t,h] . kv[slot_j]) * kv[slot_j][0:512]   (slot_j != -1)
 // kv = dequant(pool[slot]) = e4m3 * kv_scale (fp8) or bf16. lse in natural log; rows with no

@@ -5,8 +5,7 @@
 //
 // fp8 path. One CTA = one warpgroup (128 threads) scores a group of TT query tokens against a run
 // of pages of their request, with the page scoring of indexer_tile.cuh (4 x wgmma m64n(TT*H)k32
-// e4m3, A = the page's keys in registers, B = the tokens' q in shared memory; TT = 1 is shared
-// with the fused indexer_topk.cu so both give bitwise the same scores). Each thread cp.async-copies
+// e4m3, A = the page's keys in registers, B = the tokens' q in shared memory). Each thread cp.async-copies
 // its own 16-byte chunks of a page into a 4-stage shared-memory ring (3 pages in flight per CTA, no
 // block barriers) and reads them back as its A fragment. The page ids come 32 at a time (a warp's
 // lanes), the next 32 loaded while the current ones are used.

@@ -1,7 +1,6 @@
-// DSA-TRT kernels: the QGMMA scoring of one 64-key page of the fp8 indexer pool against one
-// query token, shared by indexer_logits.cu (writes fp32 logits) and indexer_topk.cu (keeps the
-// scores as top-k order keys in shared memory). Both kernels run these very instructions, so a
-// key's fp32 score is bitwise the same in both (the fused top-k then selects the same set).
+// DSA-TRT kernels: the QGMMA scoring of one 64-key page of the fp8 indexer pool against one or
+// a few query tokens (indexer_logits.cu), and the shared-memory / wgmma helpers the fp8 GEMMs
+// reuse (fp8_gemm.cuh).
 //
 // One warpgroup (128 threads) scores a page with 4 x wgmma m64nHk32 e4m3 (QGMMA):
 //   A = the page's 64 keys in registers (PageFrag: each thread holds 2 x 32 bytes of its rows

@@ -1,5 +1,5 @@
-// DSA-TRT kernels: exact cluster radix top-k selection + page translation of one row, shared by
-// topk_translate.cu (keys from fp32 logits in memory) and indexer_topk.cu (keys scored in place).
+// DSA-TRT kernels: exact cluster radix top-k selection + page translation of one row, for
+// topk_translate.cu (keys from fp32 logits in memory).
 //
 // A row of L candidates is held by a thread-block cluster of C CTAs (C = 1..16): CTA `rank` owns
 // the contiguous positions [rank * chunk, rank * chunk + n_local), as order-preserving uint32 keys

@@ -11,7 +11,7 @@
 // digit's histogram; when the slice fits in shared memory beside the select's state without
 // costing occupancy it is also kept there, otherwise the select's one further sweep re-reads it
 // (from L2 mostly: the sweep runs backwards). The cluster select + emit of topk_select.cuh does
-// the rest (shared with the fused indexer_topk.cu). Uncached slices of long rows first try the
+// the rest. Uncached slices of long rows first try the
 // sampled select of topk_select.cuh: a sample of the row bounds the threshold, and one read of
 // the slice collects the candidates (or marks a tied threshold value), with the full select as
 // the fallback when the sample misjudges the row. Among keys equal to the k-th largest, the

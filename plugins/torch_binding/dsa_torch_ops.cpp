@@ -41,7 +41,7 @@
 namespace {
 
 // Kept equal to plugins/cuda_ops.py ABI_VERSION: load() refuses a library of another version (stale build).
-constexpr int64_t kAbiVersion = 1;
+constexpr int64_t kAbiVersion = 2;
 constexpr int64_t kAny = -1;  // a dimension check_tensor does not constrain
 constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();
 
@@ -203,7 +203,7 @@ struct IndexerShape {
   int max_pages;
 };
 
-// The paged indexer inputs shared by indexer_logits and indexer_topk.
+// The paged indexer inputs of indexer_logits.
 IndexerShape check_indexer_inputs(const char* op, const at::Tensor& q, const at::Tensor& weights,
                                   const at::Tensor& pool, const at::Tensor& page_table, const at::Tensor& req_idx,
                                   const at::Tensor& seq_lens) {
@@ -298,77 +298,6 @@ at::Tensor topk_translate(const at::Tensor& logits, const at::Tensor& lengths, c
   at::Tensor slots = at::empty({logits.size(0), k}, logits.options().dtype(at::kInt));
   topk_translate_into(logits, lengths, page_table, req_idx, k, slots, std::nullopt);
   return slots;
-}
-
-// Validated DsaIndexerTopkParams, workspace unset.
-DsaIndexerTopkParams indexer_topk_params(const at::Tensor& q, const at::Tensor& weights, const at::Tensor& pool,
-                                         const at::Tensor& page_table, const at::Tensor& req_idx,
-                                         const at::Tensor& seq_lens, int64_t k, const at::Tensor& slots,
-                                         const std::optional<at::Tensor>& indices, const std::string& path,
-                                         int64_t cluster_size, int64_t warpgroups) {
-  const char* op = "indexer_topk";
-  int path_id = -1;
-  if (path == "auto") path_id = DSA_INDEXER_TOPK_AUTO;
-  if (path == "fused") path_id = DSA_INDEXER_TOPK_FUSED;
-  if (path == "unfused") path_id = DSA_INDEXER_TOPK_UNFUSED;
-  TORCH_CHECK_VALUE(path_id >= 0, "dsa::", op, ": path='", path, "' not in ('auto', 'fused', 'unfused')");
-  TORCH_CHECK_VALUE(k >= 1 && k <= kInt32Max, "dsa::", op, ": k=", k, " must be an int in [1, 2^31)");
-  const IndexerShape s = check_indexer_inputs(op, q, weights, pool, page_table, req_idx, seq_lens);
-  check_tensor(op, "slots", slots, {at::kInt}, pool.device(), {s.num_tokens, k}, Layout::kContiguous);
-  check_optional(op, "indices", indices, {at::kInt}, pool.device(), {s.num_tokens, k});
-  TORCH_CHECK_VALUE(cluster_size >= 0 && cluster_size <= 64 && warpgroups >= 0 && warpgroups <= 64, "dsa::", op,
-                    ": cluster_size=", cluster_size, " / warpgroups=", warpgroups, " out of range (0 = auto)");
-  DsaIndexerTopkParams p{};
-  p.q = q.data_ptr();
-  p.weights = weights.data_ptr<float>();
-  p.pool = pool.data_ptr();
-  p.page_table = page_table.data_ptr<int32_t>();
-  p.req_idx = req_idx.data_ptr<int32_t>();
-  p.seq_lens = seq_lens.data_ptr<int32_t>();
-  p.slots = slots.data_ptr<int32_t>();
-  p.indices = static_cast<int32_t*>(ptr(indices));
-  p.num_tokens = s.num_tokens;
-  p.num_heads = s.num_heads;
-  p.max_pages = s.max_pages;
-  p.k = static_cast<int>(k);
-  p.format = s.format;
-  p.path = path_id;
-  p.cluster_size = static_cast<int>(cluster_size);
-  p.warpgroups = static_cast<int>(warpgroups);
-  p.workspace = nullptr;
-  return p;
-}
-
-void indexer_topk_into(const at::Tensor& q, const at::Tensor& weights, const at::Tensor& pool,
-                       const at::Tensor& page_table, const at::Tensor& req_idx, const at::Tensor& seq_lens, int64_t k,
-                       at::Tensor& slots, const std::optional<at::Tensor>& indices, std::string path,
-                       int64_t cluster_size, int64_t warpgroups) {
-  DsaIndexerTopkParams p = indexer_topk_params(q, weights, pool, page_table, req_idx, seq_lens, k, slots, indices,
-                                               path, cluster_size, warpgroups);
-  if (p.num_tokens == 0) return;
-  const c10::cuda::CUDAGuard guard(pool.device());
-  const size_t ws_bytes =
-      dsa_indexer_topk_workspace_size(p.num_tokens, p.num_heads, p.max_pages, p.k, p.format, p.path);
-  const std::optional<at::Tensor> ws = ws_bytes ? std::optional<at::Tensor>(workspace(pool, ws_bytes)) : std::nullopt;
-  p.workspace = ptr(ws);
-  check_status(dsa_launch_indexer_topk(&p, stream_of(pool)));
-}
-
-std::string indexer_topk_plan(const at::Tensor& q, const at::Tensor& weights, const at::Tensor& pool,
-                              const at::Tensor& page_table, const at::Tensor& req_idx, const at::Tensor& seq_lens,
-                              int64_t k, std::string path, int64_t cluster_size, int64_t warpgroups) {
-  TORCH_CHECK_VALUE(q.dim() >= 1 && k >= 1 && k <= kInt32Max, "dsa::indexer_topk: q must be 3-D and k in [1, 2^31)");
-  const at::Tensor slots = at::empty({q.size(0), k}, pool.options().dtype(at::kInt));
-  DsaIndexerTopkParams p = indexer_topk_params(q, weights, pool, page_table, req_idx, seq_lens, k, slots,
-                                               std::nullopt, path, cluster_size, warpgroups);
-  const c10::cuda::CUDAGuard guard(pool.device());
-  const size_t ws_bytes =
-      dsa_indexer_topk_workspace_size(p.num_tokens, p.num_heads, p.max_pages, p.k, p.format, p.path);
-  // Only the workspace's NULL-ness matters to the plan; an aligned dummy address stands for "given".
-  p.workspace = ws_bytes ? reinterpret_cast<void*>(uintptr_t{256}) : nullptr;
-  std::vector<char> buf(512, '\0');
-  check_status(dsa_indexer_topk_describe(&p, buf.data(), buf.size()));
-  return std::string(buf.data());
 }
 
 // ---------------------------------------------------------------- sparse MLA
@@ -473,13 +402,6 @@ int64_t topk_translate_workspace_size(int64_t rows, int64_t max_len, int64_t k) 
   return static_cast<int64_t>(dsa_topk_translate_workspace_size(rows, max_len, static_cast<int>(k)));
 }
 
-int64_t indexer_topk_workspace_size(int64_t num_tokens, int64_t num_heads, int64_t max_pages, int64_t k,
-                                    int64_t format, int64_t path) {
-  return static_cast<int64_t>(dsa_indexer_topk_workspace_size(num_tokens, static_cast<int>(num_heads),
-                                                              static_cast<int>(max_pages), static_cast<int>(k),
-                                                              static_cast<int>(format), static_cast<int>(path)));
-}
-
 }  // namespace
 
 TORCH_LIBRARY_IMPL(dsa, CUDA, m) {
@@ -497,17 +419,10 @@ TORCH_LIBRARY(dsa_lab, m) {
   m.def("sparse_mla_workspace_size(int num_tokens, int num_heads, int topk, int format) -> int",
         &sparse_mla_workspace_size);
   m.def("topk_translate_workspace_size(int rows, int max_len, int k) -> int", &topk_translate_workspace_size);
-  m.def("indexer_topk_workspace_size(int num_tokens, int num_heads, int max_pages, int k, int format, int path) -> int",
-        &indexer_topk_workspace_size);
   m.def("indexer_logits_into(Tensor q, Tensor weights, Tensor pool, Tensor page_table, Tensor req_idx, "
         "Tensor seq_lens, Tensor(a!) out) -> ()");
   m.def("topk_translate_into(Tensor logits, Tensor lengths, Tensor page_table, Tensor req_idx, int k, "
         "Tensor(a!) slots, Tensor(b!)? indices) -> ()");
-  m.def("indexer_topk_into(Tensor q, Tensor weights, Tensor pool, Tensor page_table, Tensor req_idx, "
-        "Tensor seq_lens, int k, Tensor(a!) slots, Tensor(b!)? indices, str path, int cluster_size, "
-        "int warpgroups) -> ()");
-  m.def("indexer_topk_plan(Tensor q, Tensor weights, Tensor pool, Tensor page_table, Tensor req_idx, "
-        "Tensor seq_lens, int k, str path, int cluster_size, int warpgroups) -> str");
   m.def("sparse_mla(Tensor q, Tensor pool, Tensor slots, float kv_scale, float sm_scale, int num_splits) "
         "-> (Tensor, Tensor)");
   m.def("sparse_mla_launch(Tensor q, Tensor pool, Tensor slots, Tensor(a!) out, Tensor(b!)? lse, "
@@ -518,8 +433,6 @@ TORCH_LIBRARY(dsa_lab, m) {
 TORCH_LIBRARY_IMPL(dsa_lab, CUDA, m) {
   m.impl("indexer_logits_into", &indexer_logits_into);
   m.impl("topk_translate_into", &topk_translate_into);
-  m.impl("indexer_topk_into", &indexer_topk_into);
-  m.impl("indexer_topk_plan", &indexer_topk_plan);
   m.impl("sparse_mla", &sparse_mla_splits);
   m.impl("sparse_mla_launch", &sparse_mla_launch);
 }
