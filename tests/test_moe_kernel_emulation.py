@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from plugins.fp8_reference import moe_experts as moe_reference
+from dsa_trt.plugins.fp8_reference import moe_experts as moe_reference
 from tests import test_kernels_moe_cuda as G
 from tests.helpers import moe_kernel_emulation as K
 from tests.helpers.moe_tiers import MOE_REL_L2, MOE_TOKEN_REL_L2, expand_pairs, recombine, statistical
