@@ -1,14 +1,23 @@
 """Benchmark: the routed MoE experts (plugins/csrc/moe_experts.cu: routing prep, act_quant,
 grouped fp8 gate|up GEMM, swiglu + requant, grouped down GEMM, combine) at DeepSeek-V3.2's real
 dims: 256 experts all on this GPU, top-8, D 7168, I 2048, e4m3 weights with 128x128 scales,
-uniform random routing (8 distinct experts per token).
+uniform random routing (8 distinct experts per token), ue8m0 activation scales.
 
-Method as bench_fp8_linear.py (L2 flushed before each CUDA-graph replay, profiler kernel span,
-median of --iters). The whole operator is timed, all six kernels.
+Method (timing.py): one CUDA graph per operator, the L2 flushed before each replay, the GPU span
+of the replay from the profiler (events as a cross-check), median of --iters. The whole operator
+is timed, all six kernels; so is the anchor.
 
-Counting: pairs P = 8 T; FLOPs = 2 * P * (2I*D + D*I); the read floor is the bytes of the experts
-the routing touches (each e4m3 weight byte once, plus scales) at 4.2 TB/s, the decode bound; the
-prefill bound is FLOPs at 1377 TFLOP/s. "% of floor" = max(read floor, FLOP floor) / time.
+Counting: pairs P = 8 T; FLOPs = 2 P (2I D + D I); bytes = the experts the routing touches (each
+e4m3 weight byte once, plus their scales) + x + out + routing. The read floor is those bytes at
+4.2 TB/s (decode's bound); the FLOP floor is the FLOPs at the fp8 dense peak (1377 TFLOP/s
+measured, prefill's bound); "% of floor" = max(read floor, FLOP floor) / time.
+
+Anchor, same run, same inputs: a torch loop over the touched experts (token rows gathered per
+expert, fixed when the graph is captured) with cuBLASLt's blockwise torch._scaled_mm (1x128
+activations, 128x128 weights; activations quantised in torch inside the timed call) for gate|up
+and down, SiLU * up in fp32, index_add combine. Where this torch / cuBLASLt refuses the blockwise
+layout for some expert's row count, every expert falls back to bf16 matmuls on pre-dequantised
+weights (the "anchor" column says which).
 
 Usage: python benchmarks/bench_moe.py [--quick] [--iters 20] [--md out.md]
 """
@@ -16,17 +25,50 @@ Usage: python benchmarks/bench_moe.py [--quick] [--iters 20] [--md out.md]
 from __future__ import annotations
 
 import argparse
+import ctypes
+import os
+from ctypes import POINTER, c_int, c_int64, c_size_t, c_void_p
+from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
-from bench_fp8_linear import BLOCK, FP8_TFLOPS, HBM_TBPS, MoeParams, launch_checked, load_library, random_e4m3
 from timing import time_both_us
 
 NUM_EXPERTS, TOP_K, D, I = 256, 8, 7168, 2048
+BLOCK = 128
+HBM_TBPS = 4.2
+FP8_TFLOPS = 1377.0
 TOKENS = [1, 8, 32, 128, 512, 4096, 16384]
 QUICK_TOKENS = [1, 32, 4096]
+ROOT = Path(__file__).resolve().parents[1]
 
 
+# ---------------------------------------------------------------- the C API (dsa_moe_kernels.h)
+class MoeParams(ctypes.Structure):
+    _fields_ = [
+        ("x", c_void_p), ("topk_ids", c_void_p), ("topk_weights", c_void_p), ("w13", c_void_p),
+        ("w13_scale", c_void_p), ("w2", c_void_p), ("w2_scale", c_void_p), ("out", c_void_p),
+        ("num_tokens", c_int64), ("top_k", c_int), ("num_experts", c_int), ("num_local_experts", c_int),
+        ("expert_offset", c_int), ("hidden", c_int), ("inter", c_int), ("weight_format", c_int),
+        ("pow2_act_scales", c_int), ("workspace", c_void_p),
+    ]
+
+
+def load_library() -> ctypes.CDLL:
+    path = Path(os.environ.get("DSA_KERNEL_LIB", ROOT / "build" / "libdsa_kernels.so"))
+    if not path.exists():
+        raise SystemExit(f"{path} missing: build the kernel library first (make kernels)")
+    d = ctypes.CDLL(str(path))
+    d.dsa_last_error_message.restype = ctypes.c_char_p
+    d.dsa_moe_experts_workspace_size.restype = c_size_t
+    d.dsa_moe_experts_workspace_size.argtypes = [c_int64, c_int, c_int, c_int, c_int, c_int]
+    d.dsa_launch_moe_experts.restype = c_int
+    d.dsa_launch_moe_experts.argtypes = [POINTER(MoeParams), c_void_p]
+    return d
+
+
+# ---------------------------------------------------------------- counting (pure, CPU-checkable)
 def expert_bytes() -> float:
     """e4m3 bytes + fp32 scales of one expert (gate, up, down)."""
     w = 2 * I * D + D * I
@@ -41,6 +83,33 @@ def count_flops_and_bytes(t: int, touched: int) -> tuple[float, float]:
     return flops, nbytes
 
 
+def floors_us(flops: float, nbytes: float) -> tuple[float, float]:
+    """(read floor, FLOP floor) in µs."""
+    return nbytes / (HBM_TBPS * 1e6), flops / (FP8_TFLOPS * 1e6)
+
+
+def routing_groups(ids: torch.Tensor, weights: torch.Tensor) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+    """[(expert, token rows, their combine weights)] for every touched expert, ascending."""
+    top_k = ids.shape[1]
+    flat = ids.reshape(-1).long()
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=NUM_EXPERTS).tolist()
+    groups, start = [], 0
+    for e, c in enumerate(counts):
+        if c:
+            sel = order[start:start + c]
+            groups.append((e, (sel // top_k).contiguous(), weights.reshape(-1)[sel].contiguous()))
+        start += c
+    return groups
+
+
+def uniform_routing(t: int, g: torch.Generator, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """8 distinct experts per token, uniformly at random; weights in [0, 0.3)."""
+    ids = torch.rand(t, NUM_EXPERTS, generator=g, device=device).topk(TOP_K, dim=1).indices.to(torch.int32)
+    return ids.contiguous(), torch.rand(t, TOP_K, generator=g, device=device) * 0.3
+
+
+# ---------------------------------------------------------------- the operator and the anchor
 class Moe:
     """One preallocated dsa_launch_moe_experts call (ue8m0 activation scales, as V3.2)."""
 
@@ -56,13 +125,104 @@ class Moe:
         self.dll = dll
 
     def __call__(self):
-        launch_checked(self.dll.dsa_launch_moe_experts, self.p, self.dll, "moe_experts")
+        status = self.dll.dsa_launch_moe_experts(ctypes.byref(self.p),
+                                                 ctypes.c_void_p(torch.cuda.current_stream().cuda_stream))
+        if status != 0:
+            raise RuntimeError(f"moe_experts: status {status}: {self.dll.dsa_last_error_message().decode()}")
+
+
+def quant_1x128(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[m, K] -> (e4m3 [m, K], fp32 scales [m, K/128] in the outer-dim-major layout cuBLASLt takes)."""
+    m, k = v.shape
+    g = v.float().view(m, k // BLOCK, BLOCK)
+    s = g.abs().amax(-1).clamp(min=1e-4) / 448.0
+    q = (g / s[..., None]).view(m, k).to(torch.float8_e4m3fn)
+    return q, s.t().contiguous().t()
+
+
+class TorchLoop:
+    """The anchor: per touched expert, gather its tokens, gate|up, SiLU * up, down, index_add."""
+
+    def __init__(self, x, ids, weights, w13, s13, w2, s2):
+        self.x, self.w13, self.s13, self.w2, self.s2 = x, w13, s13, w2, s2
+        self.groups = routing_groups(ids, weights)
+        self.out = torch.zeros(x.shape[0], D, device="cuda", dtype=torch.float32)
+        self.scale_layout, self.why = self._probe()
+        self.mode = "_scaled_mm blockwise" if self.scale_layout is not None else "bf16 matmul"
+        if self.scale_layout is None:  # dequantise the touched experts once, outside the timed call
+            self.w13b = {e: self._dequant(w13[e], s13[e]) for e, _, _ in self.groups}
+            self.w2b = {e: self._dequant(w2[e], s2[e]) for e, _, _ in self.groups}
+
+    @staticmethod
+    def _dequant(w8, ws):
+        return (w8.float() * ws.repeat_interleave(BLOCK, 0).repeat_interleave(BLOCK, 1)).to(torch.bfloat16)
+
+    def _probe(self):
+        """The scale_b layout cuBLASLt's blockwise _scaled_mm takes for every row count here, or None
+        (and why)."""
+        counts = sorted({rows.numel() for _, rows, _ in self.groups})
+        errors = []
+        for layout in ("transposed", "contiguous"):
+            try:
+                for m in counts:
+                    a, sa = quant_1x128(self.x[:1].expand(m, D).contiguous())
+                    torch._scaled_mm(a, self.w13[0].t(), sa, self._sb(self.s13[0], layout), out_dtype=torch.bfloat16)
+                torch.cuda.synchronize()
+                return layout, None
+            except (RuntimeError, TypeError, ValueError) as e:
+                errors.append(f"{layout}: {str(e).splitlines()[0][:80]}")
+        return None, "; ".join(errors)
+
+    @staticmethod
+    def _sb(ws, layout):
+        return ws.t() if layout == "transposed" else ws.t().contiguous()
+
+    def __call__(self):
+        self.out.zero_()
+        scaled = self.scale_layout is not None
+        if scaled:
+            xq, sx = quant_1x128(self.x)
+        for e, rows, w in self.groups:
+            if scaled:
+                gu = torch._scaled_mm(xq[rows], self.w13[e].t(), sx[rows].t().contiguous().t(),
+                                      self._sb(self.s13[e], self.scale_layout), out_dtype=torch.bfloat16)
+            else:
+                gu = self.x[rows] @ self.w13b[e].t()
+            h = (F.silu(gu[:, :I].float()) * gu[:, I:].float()).to(torch.bfloat16)
+            if scaled:
+                hq, sh = quant_1x128(h)
+                y = torch._scaled_mm(hq, self.w2[e].t(), sh, self._sb(self.s2[e], self.scale_layout),
+                                     out_dtype=torch.bfloat16)
+            else:
+                y = h @ self.w2b[e].t()
+            self.out.index_add_(0, rows, y.float() * w[:, None])
+
+
+def random_e4m3(shape, g: torch.Generator) -> torch.Tensor:
+    """Random finite e4m3 bytes with |v| < 2 (the exponent's top bit and NaN patterns cleared)."""
+    return (torch.randint(0, 256, shape, generator=g, device="cuda", dtype=torch.uint8) & 0xB7).view(
+        torch.float8_e4m3fn)
+
+
+HEADER = ("| T | experts touched | their GB | read floor µs | µs | % of floor | TB/s | TFLOP/s | anchor µs | "
+          "anchor | vs anchor |")
+
+
+def format_row(t: int, touched: int, us: float, anchor_us: float | None, anchor: str) -> str:
+    flops, nbytes = count_flops_and_bytes(t, touched)
+    read_floor, flop_floor = floors_us(flops, nbytes)
+    a = f"{anchor_us:.1f}" if anchor_us is not None else "—"
+    ratio = f"{anchor_us / us:.2f}x" if anchor_us is not None else "—"
+    return (f"| {t} | {touched} | {touched * expert_bytes() / 1e9:.2f} | {read_floor:.1f} | {us:.1f} | "
+            f"{100 * max(read_floor, flop_floor) / us:.1f} | {nbytes / us / 1e6:.2f} | {flops / us / 1e6:.1f} | "
+            f"{a} | {anchor} | {ratio} |")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--quick", action="store_true", help=f"T in {QUICK_TOKENS} only")
+    ap.add_argument("--no-anchor", action="store_true", help="skip the torch-loop anchor")
     ap.add_argument("--md", type=str, default=None)
     args = ap.parse_args()
     dll = load_library()
@@ -72,31 +232,35 @@ def main() -> None:
     w2 = random_e4m3((NUM_EXPERTS, D, I), g)       # 3.8 GB
     s13 = torch.rand(NUM_EXPERTS, 2 * I // BLOCK, D // BLOCK, generator=g, device="cuda") * 1e-3 + 1e-4
     s2 = torch.rand(NUM_EXPERTS, D // BLOCK, I // BLOCK, generator=g, device="cuda") * 1e-3 + 1e-4
-    header = ("| T | experts touched | their GB | read floor µs | µs | % of floor | TFLOP/s | % of fp8 peak | "
-              "events µs |")
-    rows = [header, "|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    print(header, flush=True)
+    rows = [HEADER, "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
+    print(HEADER, flush=True)
+    notes = set()
     for t in (QUICK_TOKENS if args.quick else TOKENS):
         try:
             x = torch.randn(t, D, generator=g, device="cuda").to(torch.bfloat16)
-            ids = torch.rand(t, NUM_EXPERTS, generator=g, device="cuda").topk(TOP_K, dim=1).indices.to(torch.int32)
-            weights = torch.rand(t, TOP_K, generator=g, device="cuda") * 0.3
+            ids, weights = uniform_routing(t, g, "cuda")
             touched = int(torch.unique(ids).numel())
-            flops, nbytes = count_flops_and_bytes(t, touched)
-            ev, us = time_both_us(Moe(dll, x, ids.contiguous(), weights, w13, s13, w2, s2), flush_buf, args.iters)
+            ev, us = time_both_us(Moe(dll, x, ids, weights, w13, s13, w2, s2), flush_buf, args.iters)
             us = us if us is not None else ev
-            read_floor = nbytes / (HBM_TBPS * 1e12) * 1e6
-            floor = max(read_floor, flops / (FP8_TFLOPS * 1e12) * 1e6)
-            tflops = flops / us / 1e6
-            row = (f"| {t} | {touched} | {touched * expert_bytes() / 1e9:.2f} | {read_floor:.1f} | {us:.1f} | "
-                   f"{100 * floor / us:.1f} | {tflops:.1f} | {100 * tflops / FP8_TFLOPS:.1f} | {ev:.1f} |")
+            anchor_us, anchor = None, "skipped"
+            if not args.no_anchor:
+                loop = TorchLoop(x, ids, weights, w13, s13, w2, s2)
+                aev, aus = time_both_us(loop, flush_buf, args.iters)
+                anchor_us, anchor = (aus if aus is not None else aev), loop.mode
+                if loop.why:
+                    notes.add(f"_scaled_mm blockwise refused: {loop.why}")
+                del loop
+            row = format_row(t, touched, us, anchor_us, anchor)
         except torch.OutOfMemoryError:
-            row = f"| {t} | OOM | | | | | | | |"
+            row = f"| {t} | OOM | | | | | | | | | |"
         except RuntimeError as e:
-            row = f"| {t} | UNSUPPORTED ({str(e)[:100]}) | | | | | | | |"
+            row = f"| {t} | UNSUPPORTED ({str(e)[:100]}) | | | | | | | | | |"
         torch.cuda.empty_cache()
         rows.append(row)
         print(row, flush=True)
+    for n in sorted(notes):
+        print(n, flush=True)
+        rows.append(f"\n{n}")
     if args.md:
         with open(args.md, "w") as f:
             f.write("\n".join(rows) + "\n")

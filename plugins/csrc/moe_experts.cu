@@ -60,6 +60,7 @@ __global__ void __launch_bounds__(kPrepThreads) moe_prep_kernel(const int32_t* _
     const int le = local_expert(base + lane);
     const unsigned peers = __match_any_sync(0xffffffffu, le);
     if (le >= 0 && lane == __ffs(peers) - 1) cnt[warp * num_local + le] += __popc(peers);
+    __syncwarp();  // the next round's leader of this expert may be another lane: order the shared RMWs
   }
   __syncthreads();
 
