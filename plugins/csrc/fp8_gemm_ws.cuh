@@ -84,12 +84,14 @@ struct WsTile {
   static constexpr int kS = 1024;             // BT scales, padded so stages stay 1024-aligned
   static constexpr int kStage = kW + kX + kS;
   static constexpr uint32_t kTxBytes = kW + kX + BT * 4;  // what TMA writes per stage (boxes, OOB included)
-  static constexpr int kStages = kSwap ? 8 : 5;
   static constexpr int kAcc = (kSwap ? BT : kTileM) / 2;  // fp32 accumulators per consumer thread
   // bf16 staging: kSwap, [BT tokens][128 weight rows + pad] (transposed); else per consumer
   // warpgroup [64 tokens][128 weight rows + pad]
   static constexpr int kEpiRows = kSwap ? BT : 2 * 64;
   static constexpr int kEpi = kEpiRows * (kTileM + kEpiPad) * 2;
+  // Decode streams the weight: as many stages as fit (8..12, 128-192 KB of loads in flight per
+  // SM, and as much weight prefetched while the quantiser runs); prefill needs fewer.
+  static constexpr int kStages = kSwap ? (220 * 1024 - kEpi) / kStage : 5;
   static constexpr int kBars = 2 * kStages * 8;
   static constexpr int kSmem = kStages * kStage + kEpi + kBars + 1024;  // + alignment slack
   static_assert(BT * 4 <= kS, "scales must fit their slot");
