@@ -6,8 +6,8 @@ on the GPU with TF32 off for the real V3.2 shapes at T >= 129 (the same fp32 rec
 take minutes). Runs on the H200; skips without CUDA. The reference itself is checked against the
 float64 recipe in tests/test_fp8_ops.py.
 
-Every GEMM of the linear is forced in turn (DSA_FP8_LINEAR_PATH = tma, tma-swap, legacy; the
-kernel library reads it at each launch) on designed shapes: partial N and K blocks (K a multiple
+Every GEMM of the linear is forced in turn (DSA_FP8_LINEAR_PATH = tma, tma-nomc, tma-swap,
+legacy; the kernel library reads it at each launch) on designed shapes: partial N and K blocks (K a multiple
 of 16, as the kernels require), T in {1, 3, 64, 129, 4096}, K splits; the automatic choice runs
 every real V3.2 shape.
 
@@ -43,7 +43,7 @@ pytestmark = [
 DEV = "cuda"
 ROOT = Path(__file__).resolve().parents[1]
 PATH_KNOB = "DSA_FP8_LINEAR_PATH"
-LINEAR_PATHS = ["tma", "tma-swap", "legacy"]
+LINEAR_PATHS = ["tma", "tma-nomc", "tma-swap", "legacy"]
 LINEAR_MAX_DIFFERING = 0.01
 MOE_REL_L2 = 5e-3
 MOE_TOKEN_REL_L2 = 3e-2
@@ -174,7 +174,8 @@ def test_fp8_block_linear_auto_paths():
     assert lib.dsa_fp8_block_linear_path(1, 24576, 1536).decode().startswith("tma-swap 128x8 ")
     assert lib.dsa_fp8_block_linear_path(64, 24576, 1536).decode().startswith("tma-swap 128x64 ")
     assert lib.dsa_fp8_block_linear_path(65, 24576, 1536).decode().startswith("tma 128x128 ")
-    assert lib.dsa_fp8_block_linear_path(4096, 36864, 7168).decode() == "tma 128x128 split 1"
+    assert lib.dsa_fp8_block_linear_path(65, 24576, 1536).decode() == "tma 128x128 split 1"  # one token tile
+    assert lib.dsa_fp8_block_linear_path(4096, 36864, 7168).decode() == "tma 128x128 x2 split 1"
     assert not lib.dsa_fp8_block_linear_path(1, 576, 7168).decode().endswith(" split 1")  # 5 tiles: split K
 
 

@@ -4,13 +4,18 @@
 // sums per 128-wide K block from e4m3 wgmma (dsa_moe_kernels.h gives the numerics).
 //
 // A CTA is 384 threads: warpgroup 0 is the producer (one thread issues every TMA load; the other
-// 127 exit at once), warpgroups 1 and 2 are the consumers. Each computes a 64-row half of the
+// 127 idle), warpgroups 1 and 2 are the consumers. Each computes a 64-row half of the
 // CTA's 128-row wgmma M. Two tilings of the same kernel, kSwap:
 //   false (prefill, T > 64): M = 128 tokens, N = 128 weight rows; a consumer runs m64n128k32.
 //   true  (decode, T <= 64): "swap AB", M = 128 weight rows, N = BT tokens (8..64), m64nBTk32:
 //          decode is bound by the weight read, and 128 tokens of M would be mostly padding.
 // Either way a tile is 128 weight rows (one weight-scale row block: s_w is one scalar per K block)
 // against BT tokens (128 or 8..64), over K blocks [kb_begin, kb_end) of its split.
+//
+// Multicast (kMc = 2, prefill): CTAs run in clusters of two on adjacent token tiles of one weight
+// tile; each loads its own token tile and half the weight tile into both CTAs (TMA multicast), so
+// a CTA pulls 24 KB instead of 32 KB from L2 per K block (L2 bandwidth, not the MMAs, would
+// bound the 128 x 128 tile otherwise).
 //
 // Work: units = (weight tile, token tile, K split), ordered split-fastest, then in groups of
 // kGroupW weight tiles with the token tiles inner (a wave of CTAs shares a few weight tiles and
@@ -26,8 +31,13 @@
 // already), so edge tiles need no predication until the stores.
 //
 // mbarriers per stage s: full[s] (1 arrival: the producer's arrive.expect_tx of the stage's bytes,
-// then the TMA transactions) and empty[s] (8 arrivals: lane 0 of each consumer warp once its
-// warpgroup's wgmmas of that stage completed and it read the stage's scales). Iteration i (over
+// then the TMA transactions, the peer's multicast half included, which may land before the
+// expect_tx: the tx-count may go negative within a phase) and empty[s] (8 kMc arrivals: lane 0 of
+// each consumer warp of every CTA in the cluster, once its warpgroup's wgmmas of that stage
+// completed and it read the stage's scales). Both CTAs of a cluster run the same iteration
+// sequence (same weight tile and K blocks per unit), so their stages and rounds agree; a peer
+// refills stage s of round r + 1 only after this CTA's consumers released round r, which they do
+// after this CTA's full[s] completed round r: its multicast bytes always count to the right phase. Iteration i (over
 // every K block of every unit of this CTA, in order) uses stage i % kStages in round
 // r = i / kStages: consumers wait full[s] with parity r & 1 (the r-th completion), the producer
 // waits empty[s] with parity (r & 1) ^ 1, i.e. the (r-1)-th release; in round 0 that is the phase
@@ -73,6 +83,7 @@ struct WsArgs {
   int64_t rows;              // T
   int n, nkb;                // N, ceil(K / 128)
   int w_tiles, t_tiles, splits, kb_per_split;
+  int t_groups;              // ceil(t_tiles / kMc): token tiles of a cluster's unit
   int vec_store;             // 1: bf16 out rows are 16-byte aligned (out 16-aligned, out_stride % 8 == 0)
 };
 
@@ -133,6 +144,31 @@ __device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map
       "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1)
       : "memory");
 }
+// The same box into the shared memory of every CTA in `mask` of the cluster (same offset), each
+// completing on its own barrier at `bar`'s offset.
+__device__ __forceinline__ void tma_load_2d_multicast(uint32_t dst, const CUtensorMap* map, uint32_t bar, int c0,
+                                                      int c1, uint16_t mask) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster [%0], [%1, {%3, "
+      "%4}], [%2], %5;" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1), "h"(mask)
+      : "memory");
+}
+// Arrive on the barrier at `bar`'s offset in cluster CTA `rank` (release.cluster).
+__device__ __forceinline__ void mbar_arrive_cluster(uint32_t bar, uint32_t rank) {
+  uint32_t remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(bar), "r"(rank));
+  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(remote) : "memory");
+}
+__device__ __forceinline__ uint32_t cluster_ctarank() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+}
+// Every thread of every CTA of the cluster (release / acquire: barrier inits, remote arrivals).
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;" ::: "memory");
+}
 __device__ __forceinline__ void tma_prefetch_desc(const CUtensorMap* map) {
   asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
 }
@@ -149,57 +185,75 @@ __device__ __forceinline__ void setmaxnreg_dec() {
 }
 
 // ---------------------------------------------------------------- work units
+// A cluster's unit: weight tile w_tile, token tiles [kMc t_group, +kMc) (CTA rank r takes
+// kMc t_group + r: t_tile; one past the last token tile loads the last again (t_load) and stores
+// nothing), K blocks [kb_begin, kb_end).
 struct Unit {
-  int w_tile, t_tile, kb_begin, kb_end;
+  int w_tile, t_tile, t_load, kb_begin, kb_end;
 };
-__device__ __forceinline__ Unit unit_of(const WsArgs& g, int u) {
+template <int kMc>
+__device__ __forceinline__ Unit unit_of(const WsArgs& g, int u, int rank) {
   const int split = u % g.splits, v = u / g.splits;
-  const int per_group = kGroupW * g.t_tiles;
+  const int per_group = kGroupW * g.t_groups;
   const int first_w = (v / per_group) * kGroupW;
   const int gsize = min(g.w_tiles - first_w, kGroupW);
   const int in_group = v % per_group;
   Unit r;
   r.w_tile = first_w + in_group % gsize;
-  r.t_tile = in_group / gsize;
+  r.t_tile = (in_group / gsize) * kMc + rank;
+  r.t_load = min(r.t_tile, g.t_tiles - 1);
   r.kb_begin = split * g.kb_per_split;
   r.kb_end = min(g.nkb, r.kb_begin + g.kb_per_split);
   return r;
 }
 
 // ---------------------------------------------------------------- roles
-template <bool kSwap, int BT>
+// kMc = 2: this CTA (rank) loads its token tile, its scales and weight rows [64 rank, +64) of the
+// shared weight tile, the latter multicast into both CTAs; a stage is refilled once the consumers
+// of both CTAs released it (each consumer warp arrives on both CTAs' empty barriers).
+template <bool kSwap, int BT, int kMc>
 __device__ __forceinline__ void producer(const WsArgs& g, const CUtensorMap* map_w, const CUtensorMap* map_x,
                                          const CUtensorMap* map_s, uint8_t* smem, uint32_t full0, uint32_t empty0,
-                                         int units) {
+                                         int units, int cluster, int clusters, int rank) {
   using L = WsTile<kSwap, BT>;
   constexpr int S = L::kStages;
   const uint32_t base = smem_u32(smem);
   tma_prefetch_desc(map_w);
   tma_prefetch_desc(map_x);
   tma_prefetch_desc(map_s);
+  constexpr int kWRows = kTileM / kMc;  // weight rows this CTA loads per stage
+  const uint32_t w_off = rank * kWRows * kBlock;
+  auto load_w = [&](uint32_t st, uint32_t full, int kb, int w_tile) {
+    if constexpr (kMc == 1)
+      tma_load_2d(st, map_w, full, kb * kBlock, w_tile * kTileM);
+    else
+      tma_load_2d_multicast(st + w_off, map_w, full, kb * kBlock, w_tile * kTileM + rank * kWRows,
+                            static_cast<uint16_t>((1u << kMc) - 1));
+  };
   // Weight tiles of the first S iterations (every stage starts empty), before the activations exist.
+  // (The expect_tx covers the whole stage: a peer's multicast may land before or after it.)
   int pre = 0;
-  for (int u = blockIdx.x; u < units && pre < S; u += gridDim.x) {
-    const Unit w = unit_of(g, u);
+  for (int u = cluster; u < units && pre < S; u += clusters) {
+    const Unit w = unit_of<kMc>(g, u, rank);
     for (int kb = w.kb_begin; kb < w.kb_end && pre < S; ++kb, ++pre) {
       mbar_arrive_expect_tx(full0 + 8 * pre, L::kTxBytes);
-      tma_load_2d(base + pre * L::kStage, map_w, full0 + 8 * pre, kb * kBlock, w.w_tile * kTileM);
+      load_w(base + pre * L::kStage, full0 + 8 * pre, kb, w.w_tile);
     }
   }
   dsa_pdl_wait();  // the quantised activations and their scales are written
   int i = 0, s = 0;
   uint32_t phase = 0;
-  for (int u = blockIdx.x; u < units; u += gridDim.x) {
-    const Unit w = unit_of(g, u);
+  for (int u = cluster; u < units; u += clusters) {
+    const Unit w = unit_of<kMc>(g, u, rank);
     for (int kb = w.kb_begin; kb < w.kb_end; ++kb, ++i) {
       const uint32_t full = full0 + 8 * s, st = base + s * L::kStage;
       if (i >= pre) {
         mbar_wait(empty0 + 8 * s, phase ^ 1);
         mbar_arrive_expect_tx(full, L::kTxBytes);
-        tma_load_2d(st, map_w, full, kb * kBlock, w.w_tile * kTileM);
+        load_w(st, full, kb, w.w_tile);
       }
-      tma_load_2d(st + L::kW, map_x, full, kb * kBlock, w.t_tile * BT);
-      tma_load_2d(st + L::kW + L::kX, map_s, full, w.t_tile * BT, kb);
+      tma_load_2d(st + L::kW, map_x, full, kb * kBlock, w.t_load * BT);
+      tma_load_2d(st + L::kW + L::kX, map_s, full, w.t_load * BT, kb);
       if (++s == S) {
         s = 0;
         phase ^= 1;
@@ -209,9 +263,9 @@ __device__ __forceinline__ void producer(const WsArgs& g, const CUtensorMap* map
 }
 
 // Consumer warpgroup c (0, 1) of the CTA; ct = its thread index (0..127).
-template <bool kSwap, int BT, bool kF32Out>
+template <bool kSwap, int BT, bool kF32Out, int kMc>
 __device__ __forceinline__ void consumer(const WsArgs& g, uint8_t* smem, uint32_t full0, uint32_t empty0, int units,
-                                         int c) {
+                                         int c, int cluster, int clusters, int rank) {
   using L = WsTile<kSwap, BT>;
   constexpr int S = L::kStages, R = L::kAcc;
   constexpr int kOutRow = kTileM + kEpiPad;
@@ -221,8 +275,20 @@ __device__ __forceinline__ void consumer(const WsArgs& g, uint8_t* smem, uint32_
   uint16_t* epi = reinterpret_cast<uint16_t*>(smem + S * L::kStage);
   int s = 0;
   uint32_t phase = 0;
-  for (int u = blockIdx.x; u < units; u += gridDim.x) {
-    const Unit w = unit_of(g, u);
+  // lane 0 of each warp releases a stage on every CTA of the cluster (all of them refill it)
+  auto release = [&](int stage) {
+    __syncwarp();
+    if (lane == 0) {
+      if constexpr (kMc == 1) {
+        mbar_arrive(empty0 + 8 * stage);
+      } else {
+#pragma unroll
+        for (int q = 0; q < kMc; ++q) mbar_arrive_cluster(empty0 + 8 * stage, q);
+      }
+    }
+  };
+  for (int u = cluster; u < units; u += clusters) {
+    const Unit w = unit_of<kMc>(g, u, rank);
     const float* ws = g.w_scale + static_cast<int64_t>(w.w_tile) * g.nkb;
     float total[R], acc[R];
 #pragma unroll
@@ -252,8 +318,7 @@ __device__ __forceinline__ void consumer(const WsArgs& g, uint8_t* smem, uint32_
         float2 s2[BT / 8];
 #pragma unroll
         for (int j = 0; j < BT / 8; ++j) s2[j] = *reinterpret_cast<const float2*>(sx + 8 * j + 2 * quad);
-        __syncwarp();
-        if (lane == 0) mbar_arrive(empty0 + 8 * s);
+        release(s);
 #pragma unroll
         for (int j = 0; j < BT / 8; ++j) {
           const float s0 = sw * s2[j].x, s1 = sw * s2[j].y;
@@ -264,8 +329,7 @@ __device__ __forceinline__ void consumer(const WsArgs& g, uint8_t* smem, uint32_
         }
       } else {
         const float s0 = sw * sx[r_lo], s1 = sw * sx[r_lo + 8];
-        __syncwarp();
-        if (lane == 0) mbar_arrive(empty0 + 8 * s);
+        release(s);
 #pragma unroll
         for (int j = 0; j < R / 4; ++j) {
           total[4 * j + 0] = fmaf(acc[4 * j + 0], s0, total[4 * j + 0]);
@@ -282,7 +346,7 @@ __device__ __forceinline__ void consumer(const WsArgs& g, uint8_t* smem, uint32_
 
     // ------------------------------------------------ epilogue
     const int n0 = w.w_tile * kTileM;
-    const int64_t t0 = static_cast<int64_t>(w.t_tile) * BT;
+    const int64_t t0 = static_cast<int64_t>(w.t_tile) * BT;  // >= rows for a CTA past the last tile
     if constexpr (kF32Out) {
       // partial slab of this split: [rows][part_stride] fp32, columns past N land in the padding
       float* part = static_cast<float*>(g.out) + static_cast<int64_t>(w.kb_begin / g.kb_per_split) *
@@ -350,29 +414,37 @@ __device__ __forceinline__ void consumer(const WsArgs& g, uint8_t* smem, uint32_
   }
 }
 
-template <bool kSwap, int BT, bool kF32Out>
+template <bool kSwap, int BT, bool kF32Out, int kMc>
 __global__ void __launch_bounds__(kThreads, 1)
     fp8_gemm_ws_kernel(const WsArgs g, const __grid_constant__ CUtensorMap map_w,
                        const __grid_constant__ CUtensorMap map_x, const __grid_constant__ CUtensorMap map_s) {
+  static_assert(kMc == 1 || (kMc == 2 && !kSwap), "multicast pairs prefill CTAs only");
   using L = WsTile<kSwap, BT>;
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = dsa_fp8::align_smem_1024(smem_raw);
   const uint32_t full0 = smem_u32(smem + L::kStages * L::kStage + L::kEpi);
   const uint32_t empty0 = full0 + 8 * L::kStages;
-  const int units = g.w_tiles * g.t_tiles * g.splits;
+  const int units = g.w_tiles * g.t_groups * g.splits;
+  // clusters of kMc CTAs along x (kMc = 1: every CTA is its own)
+  const int rank = kMc == 1 ? 0 : static_cast<int>(cluster_ctarank());
+  const int cluster = blockIdx.x / kMc, clusters = gridDim.x / kMc;
   if (threadIdx.x == 0) {
     for (int s = 0; s < L::kStages; ++s) {
       mbar_init(full0 + 8 * s, 1);
-      mbar_init(empty0 + 8 * s, kEmptyArrivals);
+      mbar_init(empty0 + 8 * s, kEmptyArrivals * kMc);
     }
-    // the initialised barriers, visible to the async proxy (TMA completes on them)
+    // the initialised barriers, visible to the async proxy (TMA completes on them) and the cluster
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
   }
-  __syncthreads();
+  if constexpr (kMc == 1)
+    __syncthreads();
+  else
+    cluster_sync();  // the peer's barriers exist before any multicast or remote arrival
   if (threadIdx.x < 128) {
     setmaxnreg_dec<kProducerRegs>();
-    if (threadIdx.x == 0) producer<kSwap, BT>(g, &map_w, &map_x, &map_s, smem, full0, empty0, units);
+    if (threadIdx.x == 0)
+      producer<kSwap, BT, kMc>(g, &map_w, &map_x, &map_s, smem, full0, empty0, units, cluster, clusters, rank);
     // the rest of the producer warpgroup has no work (its dependents may launch: no global access)
     else asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
   } else {
@@ -380,8 +452,11 @@ __global__ void __launch_bounds__(kThreads, 1)
     // Consumers read only what the producer's TMA loads (ordered by the mbarriers) and w_scale
     // (not written by the quantiser); their output stores follow the producer's wait.
     asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-    consumer<kSwap, BT, kF32Out>(g, smem, full0, empty0, units, threadIdx.x / 128 - 1);
+    consumer<kSwap, BT, kF32Out, kMc>(g, smem, full0, empty0, units, threadIdx.x / 128 - 1, cluster, clusters, rank);
   }
+  // No CTA leaves while its peer may still arrive on its barriers (every multicast into this CTA
+  // was consumed here already: its consumers waited for the stages).
+  if constexpr (kMc > 1) cluster_sync();
 }
 
 // ---------------------------------------------------------------- host: tensor maps

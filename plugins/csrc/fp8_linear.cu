@@ -4,7 +4,8 @@
 // Two or three kernels on the stream, all sizes static (CUDA-graph safe, no host synchronisation):
 //   1. act_quant: one warp per (token, 128-group) -> e4m3 rows + fp32 scales in the workspace.
 //   2. the GEMM, one of
-//      - "tma" (T > 64, prefill): fp8_gemm_ws.cuh, 128 tokens x 128 weight rows per tile;
+//      - "tma" (T > 64, prefill): fp8_gemm_ws.cuh, 128 tokens x 128 weight rows per tile, CTAs
+//        in pairs (clusters of 2) on adjacent token tiles sharing the weight tile by multicast;
 //      - "tma-swap" (T <= 64, decode, bound by the weight read): fp8_gemm_ws.cuh swapped, 128
 //        weight rows x BT tokens (BT = 8..64);
 //      - "legacy" (only when forced, below): fp8_gemm.cuh's cp.async swap-AB tile, the MoE's core.
@@ -17,13 +18,15 @@
 // The plan (path, tile, splits) depends only on (T, N, K) and DSA_FP8_LINEAR_PATH, and the
 // workspace covers every path's plan, so its size is known without a device.
 //
-// DSA_FP8_LINEAR_PATH (tests, benchmarks): unset or "auto" picks by T as above; "tma", "tma-swap"
-// or "legacy" forces that GEMM at every T. Read at every launch.
+// DSA_FP8_LINEAR_PATH (tests, benchmarks): unset or "auto" picks by T as above; "tma", "tma-nomc"
+// (the prefill tile without pairs), "tma-swap" or "legacy" forces that GEMM at every T. Read at
+// every launch.
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include <algorithm>
+#include <atomic>
 
 #include "fp8_gemm_ws.cuh"
 
@@ -89,7 +92,7 @@ __global__ void __launch_bounds__(256) splitk_reduce_kernel(const float* __restr
 }
 
 // ---------------------------------------------------------------- plan
-enum class Path { kAuto, kTma, kTmaSwap, kLegacy };
+enum class Path { kAuto, kTma, kTmaNoMc, kTmaSwap, kLegacy };
 
 constexpr int kSwapMaxTokens = 64;  // the widest swapped token tile
 constexpr int kPlanSms = 132;       // H200 SMs: the plan must not depend on the device (workspace size)
@@ -104,6 +107,7 @@ constexpr double kStepBytes = kPlanSms * 16384.0;  // bytes the GPU moves per st
 struct LinearPlan {
   Path path;
   int bt, splits, kb_per_split, nkb, w_tiles, t_tiles;
+  int mc, t_groups;   // CTAs per cluster sharing a weight tile (multicast), token tiles per cluster unit
   int64_t t_pad;      // scale rows of the transposed layout (T rounded up to 4: 16-byte rows)
   int64_t part_stride;  // fp32 partial row (N rounded up to 4)
   size_t q_bytes, s_bytes, part_bytes;
@@ -152,9 +156,13 @@ static LinearPlan plan_linear(int64_t t, int n, int k, Path forced) {
   n = std::max(n, 1);
   p.nkb = static_cast<int>(dsa_ceil_div(std::max(k, 1), kBlock));
   p.path = forced != Path::kAuto ? forced : (t <= kSwapMaxTokens ? Path::kTmaSwap : Path::kTma);
-  p.bt = p.path == Path::kTma ? kTileM : std::min(pick_bn(t), p.path == Path::kTmaSwap ? kSwapMaxTokens : kTileM);
+  const bool square = p.path == Path::kTma || p.path == Path::kTmaNoMc;
+  p.bt = square ? kTileM : std::min(pick_bn(t), p.path == Path::kTmaSwap ? kSwapMaxTokens : kTileM);
   p.w_tiles = static_cast<int>(dsa_ceil_div(n, kTileM));
   p.t_tiles = static_cast<int>(dsa_ceil_div(std::max<int64_t>(t, 1), p.bt));
+  // prefill pairs CTAs on adjacent token tiles: each loads half the weight tile for both
+  p.mc = p.path == Path::kTma && p.t_tiles >= 2 ? 2 : 1;
+  p.t_groups = static_cast<int>(dsa_ceil_div(p.t_tiles, p.mc));
   const int64_t tiles = static_cast<int64_t>(p.w_tiles) * p.t_tiles;
   const int splits = p.path == Path::kLegacy ? pick_splits_legacy(tiles, p.nkb) : pick_splits_tma(tiles, p.nkb, t, n);
   p.kb_per_split = static_cast<int>(dsa_ceil_div(p.nkb, splits));
@@ -173,11 +181,12 @@ static int forced_path(Path* out) {
   *out = Path::kAuto;
   if (e == nullptr || *e == '\0' || strcmp(e, "auto") == 0) return DSA_OK;
   if (strcmp(e, "tma") == 0) *out = Path::kTma;
+  else if (strcmp(e, "tma-nomc") == 0) *out = Path::kTmaNoMc;
   else if (strcmp(e, "tma-swap") == 0) *out = Path::kTmaSwap;
   else if (strcmp(e, "legacy") == 0) *out = Path::kLegacy;
   else
     return dsa_set_error(DSA_ERR_INVALID_ARG,
-                         "fp8_block_linear: DSA_FP8_LINEAR_PATH=%s unknown (auto, tma, tma-swap, legacy)", e);
+                         "fp8_block_linear: DSA_FP8_LINEAR_PATH=%s unknown (auto, tma, tma-nomc, tma-swap, legacy)", e);
   return DSA_OK;
 }
 
@@ -232,20 +241,67 @@ static int legacy_gemm(const DsaFp8BlockLinearParams* p, const LinearPlan& plan,
 #undef DSA_LINEAR_BN
 }
 
-template <bool kSwap, int BT, bool kF32Out>
+// Clusters of kMc CTAs that can be resident at once on this device (GPCs of odd SM counts leave
+// SMs out of pairs): the persistent grid must not exceed one wave. Per device, asked once.
+template <typename Kernel>
+static int resident_clusters(Kernel kernel, int mc, int smem, int dev, int* out) {
+  static std::atomic<int> cache[64];
+  if (dev >= 0 && dev < 64 && cache[dev].load() > 0) {
+    *out = cache[dev].load();
+    return DSA_OK;
+  }
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(static_cast<unsigned>(mc));
+  cfg.blockDim = dim3(dsa_fp8_ws::kThreads);
+  cfg.dynamicSmemBytes = smem;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = static_cast<unsigned>(mc);
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  int n = 0;
+  DSA_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&n, kernel, &cfg));
+  DSA_CHECK_SUPPORTED(n > 0, "fp8_block_linear: no cluster of %d CTAs (%d bytes of shared memory each) fits device %d",
+                      mc, smem, dev);
+  if (dev >= 0 && dev < 64) cache[dev].store(n);
+  *out = n;
+  return DSA_OK;
+}
+
+template <bool kSwap, int BT, bool kF32Out, int kMc>
 static int launch_ws(const dsa_fp8_ws::WsArgs& g, const CUtensorMap& mw, const CUtensorMap& mx,
                      const CUtensorMap& ms, cudaStream_t stream) {
-  auto kernel = dsa_fp8_ws::fp8_gemm_ws_kernel<kSwap, BT, kF32Out>;
+  auto kernel = dsa_fp8_ws::fp8_gemm_ws_kernel<kSwap, BT, kF32Out, kMc>;
   constexpr int smem = dsa_fp8_ws::WsTile<kSwap, BT>::kSmem;
   const int st = dsa_kernel_attributes("fp8_block_linear", reinterpret_cast<const void*>(kernel), smem);
   if (st != DSA_OK) return st;
-  int dev = 0, sms = 0;
+  int dev = 0, slots = 0;
   DSA_CUDA_CHECK(cudaGetDevice(&dev));
-  DSA_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-  const int64_t units = static_cast<int64_t>(g.w_tiles) * g.t_tiles * g.splits;
+  if (kMc == 1) {
+    DSA_CUDA_CHECK(cudaDeviceGetAttribute(&slots, cudaDevAttrMultiProcessorCount, dev));
+  } else {
+    const int rc = resident_clusters(kernel, kMc, smem, dev, &slots);
+    if (rc != DSA_OK) return rc;
+  }
+  const int64_t units = static_cast<int64_t>(g.w_tiles) * g.t_groups * g.splits;  // one per cluster
   DSA_CHECK_SUPPORTED(units < (1ll << 31), "fp8_block_linear: %lld work units exceed int32", (long long)units);
-  const unsigned grid = static_cast<unsigned>(std::min<int64_t>(units, std::max(sms, 1)));
-  DSA_CUDA_CHECK(dsa_launch_pdl(kernel, dim3(grid), dim3(dsa_fp8_ws::kThreads), smem, stream, g, mw, mx, ms));
+  const unsigned grid = static_cast<unsigned>(kMc * std::min<int64_t>(units, std::max(slots, 1)));
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(grid);
+  cfg.blockDim = dim3(dsa_fp8_ws::kThreads);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[2];
+  attr[0] = dsa_pdl_attr();
+  attr[1].id = cudaLaunchAttributeClusterDimension;
+  attr[1].val.clusterDim.x = static_cast<unsigned>(kMc);
+  attr[1].val.clusterDim.y = 1;
+  attr[1].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = kMc > 1 ? 2 : 1;
+  DSA_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, g, mw, mx, ms));
   return DSA_OK;
 }
 
@@ -257,8 +313,8 @@ static int tma_gemm(const DsaFp8BlockLinearParams* p, const LinearPlan& plan, co
   const int64_t t = p->num_tokens;
   const int bt = plan.bt;
   CUtensorMap mw, mx, ms;
-  int st = encode_tensor_map_2d(&mw, p->weight, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, p->k, p->n, p->k, kBlock, kTileM,
-                                CU_TENSOR_MAP_SWIZZLE_128B, "weight");
+  int st = encode_tensor_map_2d(&mw, p->weight, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, p->k, p->n, p->k, kBlock,
+                                kTileM / plan.mc, CU_TENSOR_MAP_SWIZZLE_128B, "weight");
   if (st != DSA_OK) return st;
   st = encode_tensor_map_2d(&mx, q, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, static_cast<uint64_t>(plan.nkb) * kBlock, t,
                             static_cast<uint64_t>(plan.nkb) * kBlock, kBlock, bt, CU_TENSOR_MAP_SWIZZLE_128B,
@@ -275,6 +331,7 @@ static int tma_gemm(const DsaFp8BlockLinearParams* p, const LinearPlan& plan, co
   g.nkb = plan.nkb;
   g.w_tiles = plan.w_tiles;
   g.t_tiles = plan.t_tiles;
+  g.t_groups = plan.t_groups;
   g.splits = plan.splits;
   g.kb_per_split = plan.kb_per_split;
   const bool split = plan.splits > 1;
@@ -287,14 +344,18 @@ static int tma_gemm(const DsaFp8BlockLinearParams* p, const LinearPlan& plan, co
     g.out_stride = p->out_stride;
     g.vec_store = (reinterpret_cast<uintptr_t>(p->out) & 15) == 0 && p->out_stride % 8 == 0;
   }
-#define DSA_WS(SWAP, BT) \
-  return split ? launch_ws<SWAP, BT, true>(g, mw, mx, ms, stream) : launch_ws<SWAP, BT, false>(g, mw, mx, ms, stream)
-  if (plan.path == Path::kTma) DSA_WS(false, 128);
+#define DSA_WS(SWAP, BT, MC)                                                  \
+  return split ? launch_ws<SWAP, BT, true, MC>(g, mw, mx, ms, stream) \
+               : launch_ws<SWAP, BT, false, MC>(g, mw, mx, ms, stream)
+  if (plan.path != Path::kTmaSwap) {
+    if (plan.mc == 2) DSA_WS(false, 128, 2);
+    DSA_WS(false, 128, 1);
+  }
   switch (bt) {
-    case 8: DSA_WS(true, 8);
-    case 16: DSA_WS(true, 16);
-    case 32: DSA_WS(true, 32);
-    default: DSA_WS(true, 64);
+    case 8: DSA_WS(true, 8, 1);
+    case 16: DSA_WS(true, 16, 1);
+    case 32: DSA_WS(true, 32, 1);
+    default: DSA_WS(true, 64, 1);
   }
 #undef DSA_WS
 }
@@ -306,7 +367,7 @@ using namespace dsa_fp8;
 extern "C" size_t dsa_fp8_block_linear_workspace_size(int64_t num_tokens, int n, int k) {
   // every path's plan (DSA_FP8_LINEAR_PATH may force one at launch)
   size_t bytes = 0;
-  for (Path path : {Path::kAuto, Path::kTma, Path::kTmaSwap, Path::kLegacy}) {
+  for (Path path : {Path::kAuto, Path::kTma, Path::kTmaNoMc, Path::kTmaSwap, Path::kLegacy}) {
     const LinearPlan p = plan_linear(num_tokens, n, k, path);
     bytes = std::max(bytes, p.q_bytes + p.s_bytes + p.part_bytes);
   }
@@ -318,9 +379,12 @@ extern "C" const char* dsa_fp8_block_linear_path(int64_t num_tokens, int n, int 
   Path forced = Path::kAuto;
   if (forced_path(&forced) != DSA_OK) return "invalid DSA_FP8_LINEAR_PATH";
   const LinearPlan p = plan_linear(num_tokens, n, k, forced);
-  const char* name = p.path == Path::kTma ? "tma" : p.path == Path::kTmaSwap ? "tma-swap" : "legacy";
-  const int m = p.path == Path::kTma ? p.bt : kTileM, nn = p.path == Path::kTma ? kTileM : p.bt;
-  snprintf(text, sizeof(text), "%s %dx%d split %d", name, m, nn, p.splits);
+  const char* name = p.path == Path::kTma        ? "tma"
+                     : p.path == Path::kTmaNoMc ? "tma-nomc"
+                     : p.path == Path::kTmaSwap ? "tma-swap"
+                                                : "legacy";
+  // tile: weight rows x tokens; "x2": pairs of CTAs share (multicast) the weight tile
+  snprintf(text, sizeof(text), "%s 128x%d%s split %d", name, p.bt, p.mc > 1 ? " x2" : "", p.splits);
   return text;
 }
 
