@@ -146,7 +146,8 @@ static int pick_splits_legacy(int64_t tiles, int nkb) {
   constexpr int kLegacyMinBlocksPerSplit = 4;
   int splits = 1;
   if (tiles < kLegacyTargetCtas)
-    splits = static_cast<int>(std::min<int64_t>(dsa_ceil_div(kLegacyTargetCtas, tiles), nkb / kLegacyMinBlocksPerSplit));
+    splits = static_cast<int>(
+        std::min<int64_t>(dsa_ceil_div(kLegacyTargetCtas, tiles), nkb / kLegacyMinBlocksPerSplit));
   return std::max(splits, 1);
 }
 
@@ -229,8 +230,9 @@ static int legacy_gemm(const DsaFp8BlockLinearParams* p, const LinearPlan& plan,
     g.vec_store = (reinterpret_cast<uintptr_t>(p->out) & 15) == 0 && p->out_stride % 8 == 0;
   }
   const int m_tiles = plan.w_tiles;
-#define DSA_LINEAR_BN(BN) \
-  return split ? launch_legacy<BN, true>(g, m_tiles, plan.splits, stream) : launch_legacy<BN, false>(g, m_tiles, 1, stream)
+#define DSA_LINEAR_BN(BN)                                                    \
+  return split ? launch_legacy<BN, true>(g, m_tiles, plan.splits, stream) \
+               : launch_legacy<BN, false>(g, m_tiles, 1, stream)
   switch (plan.bt) {
     case 8: DSA_LINEAR_BN(8);
     case 16: DSA_LINEAR_BN(16);
