@@ -144,7 +144,7 @@ def test_fp8_block_linear_designed(tokens, n, k, pow2):
 
 
 @pytest.mark.parametrize("path", LINEAR_PATHS)
-@pytest.mark.parametrize("tokens", [1, 3, 64, 129, 4096])
+@pytest.mark.parametrize("tokens", [1, 3, 64, 129, 300, 4096])  # 300: an odd count of 128-token tiles
 @pytest.mark.parametrize("n,k", DESIGNED_SHAPES)
 def test_fp8_block_linear_forced_path(monkeypatch, path, tokens, n, k):
     monkeypatch.setenv(PATH_KNOB, path)
@@ -188,20 +188,21 @@ def test_fp8_block_linear_bad_path_knob(monkeypatch):
         torch.ops.dsa.fp8_block_linear(x, w, s, True)
 
 
+@pytest.mark.parametrize("tokens", [5, 300])
 @pytest.mark.parametrize("path", LINEAR_PATHS)
-def test_fp8_block_linear_cuda_graph(monkeypatch, path):
+def test_fp8_block_linear_cuda_graph(monkeypatch, path, tokens):
     """Captured once and replayed on new inputs in place (the TMA descriptors are kernel
     parameters, built at capture time from the same buffers): equal to eager calls."""
     monkeypatch.setenv(PATH_KNOB, path)
     g = gen(17)
-    x = random_x(5, 7168, g)
+    x = random_x(tokens, 7168, g)
     w, s = random_fp8_weight(576, 7168, g, True)
     torch.ops.dsa.fp8_block_linear(x, w, s, True)  # warm-up: kernel attributes outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = torch.ops.dsa.fp8_block_linear(x, w, s, True)
     for seed in (1, 2):
-        x.copy_(random_x(5, 7168, gen(seed)))
+        x.copy_(random_x(tokens, 7168, gen(seed)))
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, torch.ops.dsa.fp8_block_linear(x, w, s, True)), f"{path}: replay {seed} differs"
