@@ -151,6 +151,16 @@ static int pick_splits_legacy(int64_t tiles, int nkb) {
   return std::max(splits, 1);
 }
 
+// The fp32 partials' budget for T tokens: kMaxSplits slabs of [T, N], at most 32 MiB (a shape whose
+// slab alone exceeds it does not split). It grows with T, so a workspace sized for the largest T
+// (a TensorRT profile's max) holds the partials of every smaller T too, although a smaller T may
+// split K more.
+constexpr size_t kPartialBudgetCap = 32u << 20;
+static size_t partial_budget(int64_t t, int64_t part_row) {
+  const size_t slab = static_cast<size_t>(t) * part_row * sizeof(float);
+  return std::min(kPartialBudgetCap, static_cast<size_t>(kMaxSplits) * slab);
+}
+
 static LinearPlan plan_linear(int64_t t, int n, int k, Path forced) {
   LinearPlan p{};
   t = std::max<int64_t>(t, 0);
@@ -165,13 +175,16 @@ static LinearPlan plan_linear(int64_t t, int n, int k, Path forced) {
   p.mc = p.path == Path::kTma && p.t_tiles >= 2 ? 2 : 1;
   p.t_groups = static_cast<int>(dsa_ceil_div(p.t_tiles, p.mc));
   const int64_t tiles = static_cast<int64_t>(p.w_tiles) * p.t_tiles;
-  const int splits = p.path == Path::kLegacy ? pick_splits_legacy(tiles, p.nkb) : pick_splits_tma(tiles, p.nkb, t, n);
-  p.kb_per_split = static_cast<int>(dsa_ceil_div(p.nkb, splits));
-  p.splits = static_cast<int>(dsa_ceil_div(p.nkb, p.kb_per_split));  // no empty split
-  p.t_pad = (t + 3) / 4 * 4;
+  int splits = p.path == Path::kLegacy ? pick_splits_legacy(tiles, p.nkb) : pick_splits_tma(tiles, p.nkb, t, n);
   p.part_stride = p.path == Path::kLegacy ? n : (n + 3) / 4 * 4;
+  const size_t slab = std::max<size_t>(static_cast<size_t>(t) * p.part_stride * sizeof(float), 1);
+  splits = static_cast<int>(std::min<size_t>(splits, partial_budget(t, (n + 3) / 4 * 4) / slab));
+  p.kb_per_split = static_cast<int>(dsa_ceil_div(p.nkb, std::max(splits, 1)));
+  p.splits = static_cast<int>(dsa_ceil_div(p.nkb, p.kb_per_split));  // no empty split, never more than asked
+  p.t_pad = (t + 3) / 4 * 4;
   p.q_bytes = align256(static_cast<size_t>(t) * p.nkb * kBlock);
-  p.s_bytes = align256(static_cast<size_t>(p.path == Path::kLegacy ? t : p.t_pad) * p.nkb * sizeof(float));
+  // scales: [T, nkb] (legacy) or [nkb, t_pad] (TMA); the workspace reserves the larger
+  p.s_bytes = align256(static_cast<size_t>(p.t_pad) * p.nkb * sizeof(float));
   p.part_bytes = p.splits > 1 ? align256(static_cast<size_t>(p.splits) * t * p.part_stride * sizeof(float)) : 0;
   return p;
 }
@@ -366,14 +379,13 @@ static int tma_gemm(const DsaFp8BlockLinearParams* p, const LinearPlan& plan, co
 
 using namespace dsa_fp8;
 
+// Any path's plan (DSA_FP8_LINEAR_PATH may force one at launch) for any T' <= num_tokens: the
+// quantised rows and scales grow with T, every plan's partials fit partial_budget(T'), which does.
 extern "C" size_t dsa_fp8_block_linear_workspace_size(int64_t num_tokens, int n, int k) {
-  // every path's plan (DSA_FP8_LINEAR_PATH may force one at launch)
-  size_t bytes = 0;
-  for (Path path : {Path::kAuto, Path::kTma, Path::kTmaNoMc, Path::kTmaSwap, Path::kLegacy}) {
-    const LinearPlan p = plan_linear(num_tokens, n, k, path);
-    bytes = std::max(bytes, p.q_bytes + p.s_bytes + p.part_bytes);
-  }
-  return bytes;
+  const LinearPlan p = plan_linear(num_tokens, n, k, Path::kAuto);
+  const int64_t t = std::max<int64_t>(num_tokens, 0);
+  const size_t budget = t > 0 ? align256(partial_budget(t, (std::max(n, 1) + 3) / 4 * 4)) : 0;
+  return p.q_bytes + p.s_bytes + budget;
 }
 
 extern "C" const char* dsa_fp8_block_linear_path(int64_t num_tokens, int n, int k) {
