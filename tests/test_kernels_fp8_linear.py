@@ -7,9 +7,9 @@ take minutes). Runs on the H200; skips without CUDA. The reference itself is che
 float64 recipe in tests/test_fp8_ops.py.
 
 Every GEMM of the linear is forced in turn (DSA_FP8_LINEAR_PATH = tma, tma-nomc, tma-swap,
-legacy; the kernel library reads it at each launch) on designed shapes: partial N and K blocks (K a multiple
-of 16, as the kernels require), T in {1, 3, 64, 129, 4096}, K splits; the automatic choice runs
-every real V3.2 shape (which plan each T gets: tests/test_fp8_linear_plan.py, on any machine).
+legacy; the kernel library reads it at each launch) on designed shapes: partial N and K blocks
+(K a multiple of 16, as the kernels require), T in {1, 3, 64, 129, 300, 4096}, K splits; the
+automatic choice runs every real V3.2 shape (which plan each T gets: tests/test_fp8_linear_plan.py, on any machine).
 
 Tolerances (the kernel and the reference compute the same recipe; only the order of the fp32
 sums differs):
