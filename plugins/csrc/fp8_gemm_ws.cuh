@@ -226,8 +226,9 @@ __device__ __forceinline__ void producer(const WsArgs& g, const CUtensorMap* map
   auto load_w = [&](uint32_t st, uint32_t full, int kb, int w_tile) {
     if constexpr (kMc == 1)
       tma_load_2d(st, map_w, full, kb * kBlock, w_tile * kTileM);
-    else
-      tma_load_2d_multicast(st + w_off, map_w, full, kb * kBlock, w_tile * kTileM + rank * kWRows,
+    else  // a half past N (N <= 64 in the last tile) reads row N - 1 instead: no box starts out of
+          // bounds; the rows it fills belong to outputs past N, which are never stored
+      tma_load_2d_multicast(st + w_off, map_w, full, kb * kBlock, min(w_tile * kTileM + rank * kWRows, g.n - 1),
                             static_cast<uint16_t>((1u << kMc) - 1));
   };
   // Weight tiles of the first S iterations (every stage starts empty), before the activations exist.
