@@ -1,7 +1,9 @@
-"""Benchmark: the fp8 block-scaled linear (plugins/csrc/fp8_linear.cu: act_quant + the swap-AB
-QGMMA GEMM, + the split-K reduce at small T) on DeepSeek-V3.2's shapes, beside torch's bf16
+"""Benchmark: the fp8 block-scaled linear (plugins/csrc/fp8_linear.cu: act_quant + the GEMM its plan
+picks, + the split-K reduce when it splits K) on DeepSeek-V3.2's shapes, beside torch's bf16
 matmul and torch._scaled_mm with DeepSeek block scaling (cuBLASLt; 1x128 activations, 128x128
-weights) on the same inputs in the same run.
+weights) on the same inputs in the same run. The "path" column is the plan of each row
+(dsa_fp8_block_linear_path: GEMM, tile of weight rows x tokens, K splits); DSA_FP8_LINEAR_PATH
+(tma, tma-swap, legacy) forces one GEMM for a whole run.
 
 Method (as the other benchmarks, timing.py): random inputs; before every timed call an L2 flush
 (bitwise_not_ over 256 MB); each call captured once in a CUDA graph; median of --iters replays;
@@ -76,6 +78,8 @@ def load_library() -> ctypes.CDLL:
     d.dsa_fp8_block_linear_workspace_size.restype = c_size_t
     d.dsa_fp8_block_linear_workspace_size.argtypes = [c_int64, c_int, c_int]
     d.dsa_launch_fp8_block_linear.argtypes = [POINTER(LinearParams), c_void_p]
+    d.dsa_fp8_block_linear_path.restype = ctypes.c_char_p
+    d.dsa_fp8_block_linear_path.argtypes = [c_int64, c_int, c_int]
     d.dsa_moe_experts_workspace_size.restype = c_size_t
     d.dsa_moe_experts_workspace_size.argtypes = [c_int64, c_int, c_int, c_int, c_int, c_int]
     d.dsa_launch_moe_experts.argtypes = [POINTER(MoeParams), c_void_p]
@@ -150,16 +154,16 @@ def main() -> None:
     dll = load_library()
     g = torch.Generator(device="cuda").manual_seed(0)
     flush_buf = torch.empty(64 << 20, dtype=torch.int32, device="cuda")
-    header = ("| shape (N x K) | T | µs | TFLOP/s | TB/s | % of roofline | bf16 matmul µs | _scaled_mm µs | "
+    header = ("| shape (N x K) | T | path | µs | TFLOP/s | TB/s | % of roofline | bf16 matmul µs | _scaled_mm µs | "
               "vs _scaled_mm |")
-    rows = [header, "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    rows = [header, "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     print(header, flush=True)
     for name, n, k in SHAPES:
         w8 = random_e4m3((n, k), g)
         ws = (torch.rand(-(-n // BLOCK), -(-k // BLOCK), generator=g, device="cuda") * 1e-2 + 1e-3).contiguous()
         wb = w8.to(torch.bfloat16)
         for t in (QUICK_TOKENS if args.quick else TOKENS):
-            label = f"{name} {n}x{k}"
+            label = f"{name} {n}x{k} | {t} | {dll.dsa_fp8_block_linear_path(t, n, k).decode()}"
             try:
                 x = torch.randn(t, k, generator=g, device="cuda").to(torch.bfloat16)
                 flops, nbytes = count_flops_and_bytes(t, n, k)
@@ -176,12 +180,12 @@ def main() -> None:
                     sev, sus = time_both_us(fn, flush_buf, args.iters)
                     sus = sus if sus is not None else sev
                     smm, ratio = f"{sus:.1f}", f"{sus / us:.2f}x"
-                row = (f"| {label} | {t} | {us:.1f} | {flops / us / 1e6:.1f} | {nbytes / us / 1e6:.2f} | "
+                row = (f"| {label} | {us:.1f} | {flops / us / 1e6:.1f} | {nbytes / us / 1e6:.2f} | "
                        f"{100 * roof / us:.1f} | {bus:.1f} | {smm} | {ratio} |")
             except torch.OutOfMemoryError:
-                row = f"| {label} | {t} | OOM | | | | | | |"
+                row = f"| {label} | OOM | | | | | | |"
             except RuntimeError as e:
-                row = f"| {label} | {t} | UNSUPPORTED ({str(e)[:100]}) | | | | | | |"
+                row = f"| {label} | UNSUPPORTED ({str(e)[:100]}) | | | | | | |"
             torch.cuda.empty_cache()
             rows.append(row)
             print(row, flush=True)

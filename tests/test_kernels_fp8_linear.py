@@ -1,7 +1,15 @@
-"""torch.ops.dsa.fp8_block_linear / moe_experts on CUDA tensors (served by the CUDA kernels of
-plugins/csrc/fp8_*.cu, moe_*.cu once bound; by the reference until then) against the production
-reference (plugins/fp8_reference.py) on CPU copies of the same inputs. Runs on the H200; skips
-without CUDA. The reference itself is checked against the float64 recipe in tests/test_fp8_ops.py.
+"""torch.ops.dsa.fp8_block_linear / moe_experts on CUDA tensors, served by the CUDA kernels of the
+C++ binding (build/libdsa_torch_ops.so over plugins/csrc/fp8_*.cu, moe_*.cu; the module fixture
+loads it and fails when it is missing, so the reference never stands in for the kernels here),
+against the production reference (plugins/fp8_reference.py) on CPU copies of the same inputs, or
+on the GPU with TF32 off for the real V3.2 shapes at T >= 129 (the same fp32 recipe; the CPU would
+take minutes). Runs on the H200; skips without CUDA. The reference itself is checked against the
+float64 recipe in tests/test_fp8_ops.py.
+
+Every GEMM of the linear is forced in turn (DSA_FP8_LINEAR_PATH = tma, tma-nomc, tma-swap,
+legacy; the kernel library reads it at each launch) on designed shapes: partial N and K blocks
+(K a multiple of 16, as the kernels require), T in {1, 3, 64, 129, 300, 4096}, K splits; the
+automatic choice runs every real V3.2 shape (which plan each T gets: tests/test_fp8_linear_plan.py, on any machine).
 
 Tolerances (the kernel and the reference compute the same recipe; only the order of the fp32
 sums differs):
@@ -15,12 +23,16 @@ sums differs):
 
 from __future__ import annotations
 
+import ctypes
 import math
+import os
+from pathlib import Path
 
 import pytest
 import torch
 
 import dsa_trt.plugins.fp8_ops  # noqa: F401  (registers the ops)
+from dsa_trt.plugins import cuda_ops
 from dsa_trt.plugins import fp8_reference as ref
 
 pytestmark = [
@@ -29,6 +41,9 @@ pytestmark = [
 ]
 
 DEV = "cuda"
+ROOT = Path(__file__).resolve().parents[1]
+PATH_KNOB = "DSA_FP8_LINEAR_PATH"
+LINEAR_PATHS = ["tma", "tma-nomc", "tma-swap", "legacy"]
 LINEAR_MAX_DIFFERING = 0.01
 MOE_REL_L2 = 5e-3
 MOE_TOKEN_REL_L2 = 3e-2
@@ -36,6 +51,18 @@ MOE_TOKEN_REL_L2 = 3e-2
 # V3.2 (N, K): q_a, q_b, kv_a, kv_b, o_proj, indexer wq_b, dense gate+up, dense down
 REAL_LINEAR_SHAPES = [(1536, 7168), (24576, 1536), (576, 7168), (32768, 512), (7168, 16384), (8192, 1536),
                       (36864, 7168), (7168, 18432)]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cuda_kernels():
+    assert cuda_ops.load("cuda"), "the CUDA kernels must serve torch.ops.dsa here (make kernels torch-ops)"
+
+
+def kernel_library() -> ctypes.CDLL:
+    d = ctypes.CDLL(os.environ.get("DSA_KERNEL_LIB") or str(ROOT / "build" / "libdsa_kernels.so"))
+    d.dsa_fp8_block_linear_path.restype = ctypes.c_char_p
+    d.dsa_fp8_block_linear_path.argtypes = [ctypes.c_int64, ctypes.c_int, ctypes.c_int]
+    return d
 
 
 def gen(seed: int) -> torch.Generator:
@@ -58,14 +85,34 @@ def random_fp8_weight(rows: int, cols: int, g: torch.Generator, pow2: bool, lead
     return w, s
 
 
+def reference_linear(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, pow2: bool, on_gpu: bool) -> torch.Tensor:
+    """The reference on CPU copies, or on the GPU in plain fp32 (TF32 off: the recipe's fp32 sums)."""
+    if not on_gpu:
+        return ref.fp8_block_linear(x.cpu(), w.cpu(), s.cpu(), pow2)
+    keep = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        return ref.fp8_block_linear(x, w, s, pow2)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = keep
+
+
 def assert_linear_close(got: torch.Tensor, want: torch.Tensor, x: torch.Tensor, w: torch.Tensor, s: torch.Tensor,
                         case: str) -> None:
-    got, want = got.float().cpu(), want.float()
+    """On want's device; x, w, s are moved there."""
+    dev = want.device
+    got, want, x, w, s = got.float().to(dev), want.float(), x.to(dev), w.to(dev), s.to(dev)
     a = want.abs().clamp_min(2.0**-126)
     ulp = torch.exp2(torch.floor(torch.log2(a)) - 7)
     w_abs = (w.float() * s.repeat_interleave(128, 0)[: w.shape[0]].repeat_interleave(128, 1)[:, : w.shape[1]]).abs()
-    bound = ulp + 2.0**-22 * (x.float().abs() @ w_abs.T)
+    keep = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        bound = ulp + 2.0**-22 * (x.float().abs() @ w_abs.T)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = keep
     diff = (got - want).abs()
+    assert not torch.isnan(got).any(), f"{case}: NaN in the output"
     bad = diff > bound
     if bad.any():
         t, n = (int(i) for i in torch.nonzero(bad)[0])
@@ -75,38 +122,86 @@ def assert_linear_close(got: torch.Tensor, want: torch.Tensor, x: torch.Tensor, 
     assert differing <= LINEAR_MAX_DIFFERING, f"{case}: {differing:.2%} of outputs differ"
 
 
-LINEAR_CASES = [(t, n, k, p) for t in (1, 3, 64, 129) for (n, k) in ((576, 200), (300, 384), (64, 1000))
-                for p in (True, False)] + [(4096, 192, 200, True), (4096, 576, 7168, False)]
-
-
-@pytest.mark.parametrize("tokens,n,k,pow2", LINEAR_CASES)
-def test_fp8_block_linear_designed(tokens, n, k, pow2):
-    g = gen(tokens * 131 + n + k)
+def check_linear(tokens: int, n: int, k: int, pow2: bool, seed: int, case: str, gpu_reference: bool = False) -> None:
+    g = gen(seed)
     x = random_x(tokens, k, g)
     w, s = random_fp8_weight(n, k, g, pow2)
     got = torch.ops.dsa.fp8_block_linear(x, w, s, pow2)
     assert got.dtype == torch.bfloat16 and got.shape == (tokens, n) and got.device.type == DEV
-    xc, wc, sc = x.cpu(), w.cpu(), s.cpu()
-    assert_linear_close(got, ref.fp8_block_linear(xc, wc, sc, pow2), xc, wc, sc, f"T={tokens} N={n} K={k} pow2={pow2}")
-    assert torch.equal(got, torch.ops.dsa.fp8_block_linear(x, w, s, pow2)), "not deterministic"
+    assert_linear_close(got, reference_linear(x, w, s, pow2, gpu_reference), x, w, s, case)
+    assert torch.equal(got, torch.ops.dsa.fp8_block_linear(x, w, s, pow2)), f"{case}: not deterministic"
+
+
+# (N, K) with partial N and K blocks (K % 16 == 0); (64, 1008): one weight tile, so K is split
+DESIGNED_SHAPES = [(576, 208), (300, 384), (64, 1008)]
+LINEAR_CASES = [(t, n, k, p) for t in (1, 3, 64, 129) for (n, k) in DESIGNED_SHAPES for p in (True, False)] + [
+    (4096, 192, 208, True), (4096, 576, 7168, False), (4096, 300, 1008, True)]
+
+
+@pytest.mark.parametrize("tokens,n,k,pow2", LINEAR_CASES)
+def test_fp8_block_linear_designed(tokens, n, k, pow2):
+    check_linear(tokens, n, k, pow2, tokens * 131 + n + k, f"auto T={tokens} N={n} K={k} pow2={pow2}")
+
+
+@pytest.mark.parametrize("path", LINEAR_PATHS)
+@pytest.mark.parametrize("tokens", [1, 3, 64, 129, 300, 4096])  # 300: an odd count of 128-token tiles
+@pytest.mark.parametrize("n,k", DESIGNED_SHAPES)
+def test_fp8_block_linear_forced_path(monkeypatch, path, tokens, n, k):
+    monkeypatch.setenv(PATH_KNOB, path)
+    assert kernel_library().dsa_fp8_block_linear_path(tokens, n, k).decode().startswith(path + " ")
+    pow2 = (tokens + n) % 2 == 0
+    check_linear(tokens, n, k, pow2, tokens * 7 + n + 3 * k, f"{path} T={tokens} N={n} K={k} pow2={pow2}")
 
 
 @pytest.mark.parametrize("n,k", REAL_LINEAR_SHAPES)
-@pytest.mark.parametrize("tokens", [1, 64, 512])
+@pytest.mark.parametrize("tokens", [1, 16, 64, 129, 512, 4096])
 def test_fp8_block_linear_real_shapes(tokens, n, k):
-    g = gen(n + k + tokens)
-    x = random_x(tokens, k, g)
-    w, s = random_fp8_weight(n, k, g, True)
-    got = torch.ops.dsa.fp8_block_linear(x, w, s, True)
-    xc, wc, sc = x.cpu(), w.cpu(), s.cpu()
-    assert_linear_close(got, ref.fp8_block_linear(xc, wc, sc, True), xc, wc, sc, f"T={tokens} N={n} K={k}")
+    path = kernel_library().dsa_fp8_block_linear_path(tokens, n, k).decode()
+    check_linear(tokens, n, k, True, n + k + tokens, f"T={tokens} N={n} K={k} ({path})", gpu_reference=tokens >= 129)
+
+
+@pytest.mark.parametrize("path", LINEAR_PATHS)
+def test_fp8_block_linear_real_shapes_forced(monkeypatch, path):
+    """Each GEMM on the shapes its plan splits (kv_a: 5 weight tiles) or not (q_b), small and large T."""
+    monkeypatch.setenv(PATH_KNOB, path)
+    for tokens, (n, k) in ((1, (576, 7168)), (64, (24576, 1536)), (129, (576, 7168)), (512, (32768, 512))):
+        check_linear(tokens, n, k, False, tokens + n, f"{path} T={tokens} N={n} K={k}")
+
+
+def test_fp8_block_linear_bad_path_knob(monkeypatch):
+    g = gen(5)
+    x = random_x(4, 256, g)
+    w, s = random_fp8_weight(128, 256, g, True)
+    monkeypatch.setenv(PATH_KNOB, "fastest")
+    with pytest.raises(ValueError, match="DSA_FP8_LINEAR_PATH=fastest"):
+        torch.ops.dsa.fp8_block_linear(x, w, s, True)
+
+
+@pytest.mark.parametrize("tokens", [5, 300])
+@pytest.mark.parametrize("path", LINEAR_PATHS)
+def test_fp8_block_linear_cuda_graph(monkeypatch, path, tokens):
+    """Captured once and replayed on new inputs in place (the TMA descriptors are kernel
+    parameters, built at capture time from the same buffers): equal to eager calls."""
+    monkeypatch.setenv(PATH_KNOB, path)
+    g = gen(17)
+    x = random_x(tokens, 7168, g)
+    w, s = random_fp8_weight(576, 7168, g, True)
+    torch.ops.dsa.fp8_block_linear(x, w, s, True)  # warm-up: kernel attributes outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = torch.ops.dsa.fp8_block_linear(x, w, s, True)
+    for seed in (1, 2):
+        x.copy_(random_x(tokens, 7168, gen(seed)))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, torch.ops.dsa.fp8_block_linear(x, w, s, True)), f"{path}: replay {seed} differs"
 
 
 def test_fp8_block_linear_strided_x_and_zero_tokens():
     g = gen(9)
     wide = random_x(17, 1024, g)
-    w, s = random_fp8_weight(512, 700, g, True)
-    x = wide[:, 100:800]
+    w, s = random_fp8_weight(512, 704, g, True)
+    x = wide[:, 100:804]
     got = torch.ops.dsa.fp8_block_linear(x, w, s, True)
     assert torch.equal(got, torch.ops.dsa.fp8_block_linear(x.contiguous(), w, s, True))
     assert torch.ops.dsa.fp8_block_linear(x[:0], w, s, True).shape == (0, 512)

@@ -41,6 +41,10 @@ typedef struct {
 
 size_t dsa_fp8_block_linear_workspace_size(int64_t num_tokens, int n, int k);
 int dsa_launch_fp8_block_linear(const DsaFp8BlockLinearParams* p, cudaStream_t stream);
+// The plan a launch of (T, N, K) runs, as text for benchmarks and tests, e.g. "tma 128x128 split 1"
+// or "tma-swap 128x8 split 2" (GEMM, weight rows x tokens per tile, K splits); honours
+// DSA_FP8_LINEAR_PATH (fp8_linear.cu). Thread-local storage, valid until the next call.
+const char* dsa_fp8_block_linear_path(int64_t num_tokens, int n, int k);
 
 // ---------------------------------------------------------------- DsaMoeExperts
 // out[t] = sum_{j : e = topk_ids[t, j] in [expert_offset, expert_offset + E_local)}

@@ -1,24 +1,47 @@
 // DSA-TRT kernels: DsaFp8BlockLinear (dsa_moe_kernels.h), out = bf16(x @ dequant(W)^T) with the
 // official W8A8 numerics.
 //
-// Two or three kernels on the stream, all sizes static (CUDA-graph safe):
+// Two or three kernels on the stream, all sizes static (CUDA-graph safe, no host synchronisation):
 //   1. act_quant: one warp per (token, 128-group) -> e4m3 rows + fp32 scales in the workspace.
-//   2. the GEMM (fp8_gemm.cuh) over (128-row weight tiles) x (BN-token tiles) x (K splits).
-//      Decode (few tokens) is bound by the weight read, and N / 128 tiles alone do not cover the
-//      GPU (q_a: 12 tiles), so when the tiles fall short of kTargetCtas the K blocks are split and
-//      each split writes fp32 partials;
+//   2. the GEMM, one of
+//      - "tma" (T > 64, prefill): fp8_gemm_ws.cuh, 128 tokens x 128 weight rows per tile, CTAs
+//        in pairs (clusters of 2) on adjacent token tiles sharing the weight tile by multicast;
+//      - "tma-swap" (T <= 64, decode, bound by the weight read): fp8_gemm_ws.cuh swapped, 128
+//        weight rows x BT tokens (BT = 8..64);
+//      - "legacy" (only when forced, below): fp8_gemm.cuh's cp.async swap-AB tile, the MoE's core.
+//      Weight tiles alone may not cover the GPU (q_a: 12 tiles, decode's q_b: 192 tiles = 1.45
+//      waves), so the K blocks are split when that shortens the busiest SM's queue, each split
+//      writing fp32 partials;
 //   3. splitk_reduce sums the partials in split order (deterministic) -> bf16.
-// The plan (BN, splits) depends only on (T, N, K), so the workspace size is known without a device.
-#include <algorithm>
+// The TMA kernels are programmatic dependent launches (fp8_gemm_ws.cuh): their weight loads start
+// while act_quant runs; the reduce follows the GEMM the same way.
+// The plan (path, tile, splits) depends only on (T, N, K) and DSA_FP8_LINEAR_PATH, and the
+// workspace covers every path's plan, so its size is known without a device.
+//
+// DSA_FP8_LINEAR_PATH (tests, benchmarks): unset or "auto" picks by T as above; "tma", "tma-nomc"
+// (the prefill tile without pairs), "tma-swap" or "legacy" forces that GEMM at every T. Read at
+// every launch.
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
 
-#include "fp8_gemm.cuh"
+#include <algorithm>
+#include <atomic>
+
+#include "fp8_gemm_ws.cuh"
 
 namespace dsa_fp8 {
 
 // ---------------------------------------------------------------- kernels
+// Scales go to scale[t * st_t + kb * st_kb]: [T, nkb] for the legacy GEMM, transposed [nkb, T_pad]
+// for the TMA GEMMs (a tile's token scales of one K block are one contiguous box).
 __global__ void __launch_bounds__(256) act_quant_kernel(const uint16_t* __restrict__ x, int64_t x_stride,
                                                          int64_t num_tokens, int k, int nkb, uint8_t* __restrict__ q,
-                                                         float* __restrict__ scale, int pow2, int vec) {
+                                                         float* __restrict__ scale, int64_t st_t, int64_t st_kb,
+                                                         int pow2, int vec) {
+  // The GEMM after this kernel waits (griddepcontrol.wait) for all of it before reading what it
+  // writes; letting it launch now overlaps its prologue and weight loads with this kernel.
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
   const int64_t gw = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
   const int lane = threadIdx.x & 31;
   if (gw >= num_tokens * nkb) return;  // warp-uniform
@@ -27,7 +50,7 @@ __global__ void __launch_bounds__(256) act_quant_kernel(const uint16_t* __restri
   const int k0 = kb * kBlock + 4 * lane;
   float v[4];
   load_bf16x4(x + t * x_stride + k0, k - k0, vec != 0, v);
-  quant_group_store(v, pow2 != 0, q + t * nkb * kBlock + kb * kBlock, scale + t * nkb + kb, lane);
+  quant_group_store(v, pow2 != 0, q + t * nkb * kBlock + kb * kBlock, scale + t * st_t + kb * st_kb, lane);
 }
 
 // Tiles in groups of kGroupM weight tiles, token tiles inner: a wave of CTAs reads a few weight
@@ -52,24 +75,41 @@ __global__ void __launch_bounds__(kThreads, kCtasPerSm<BN>) linear_kernel(const 
   gemm_tile<BN, kF32Out>(g, smem, 0, m_tile, row_begin, row_end, kb_begin, kb_end, split);
 }
 
+// part: [splits][T, part_stride] fp32 -> out [T, out_stride] bf16, summed in split order.
 __global__ void __launch_bounds__(256) splitk_reduce_kernel(const float* __restrict__ part, int splits,
-                                                             int64_t split_stride, int64_t num_tokens, int n,
-                                                             uint16_t* __restrict__ out, int64_t out_stride) {
+                                                             int64_t split_stride, int64_t part_stride,
+                                                             int64_t num_tokens, int n, uint16_t* __restrict__ out,
+                                                             int64_t out_stride) {
+  dsa_pdl_wait();  // the GEMM's partials are written (returns at once after a plain launch)
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= num_tokens * n) return;
   const int64_t t = i / n;
   const int col = static_cast<int>(i % n);
-  float s = part[i];
-  for (int sp = 1; sp < splits; ++sp) s += part[sp * split_stride + i];
+  const float* p = part + t * part_stride + col;
+  float s = p[0];
+  for (int sp = 1; sp < splits; ++sp) s += p[sp * split_stride];
   out[t * out_stride + col] = float_to_bf16_bits(s);
 }
 
 // ---------------------------------------------------------------- plan
-constexpr int kTargetCtas = 264;  // two waves of 132 SMs at two CTAs per SM
-constexpr int kMinBlocksPerSplit = 4;
+enum class Path { kAuto, kTma, kTmaNoMc, kTmaSwap, kLegacy };
+
+constexpr int kSwapMaxTokens = 64;  // the widest swapped token tile
+constexpr int kPlanSms = 132;       // H200 SMs: the plan must not depend on the device (workspace size)
+constexpr int kLegacyTargetCtas = 264;  // legacy: two waves of 132 SMs at two CTAs per SM
+constexpr int kMinBlocksPerSplit = 2;
+constexpr int kMaxSplits = 32;
+// A split's fixed cost in K-block steps of one SM (a step: one 16 KB weight tile read or one
+// 128 x 128 x 128 tile of MMAs, both ~0.4-0.5 us): the reduce kernel's launch and tail.
+constexpr double kSplitFixedSteps = 4.0;
+constexpr double kStepBytes = kPlanSms * 16384.0;  // bytes the GPU moves per step
 
 struct LinearPlan {
-  int bn, splits, kb_per_split, nkb;
+  Path path;
+  int bt, splits, kb_per_split, nkb, w_tiles, t_tiles;
+  int mc, t_groups;   // CTAs per cluster sharing a weight tile (multicast), token tiles per cluster unit
+  int64_t t_pad;      // scale rows of the transposed layout (T rounded up to 4: 16-byte rows)
+  int64_t part_stride;  // fp32 partial row (N rounded up to 4)
   size_t q_bytes, s_bytes, part_bytes;
 };
 
@@ -83,26 +123,90 @@ static int pick_bn(int64_t rows) {
   return 128;
 }
 
-static LinearPlan plan_linear(int64_t t, int n, int k) {
-  LinearPlan p{};
-  p.nkb = static_cast<int>(dsa_ceil_div(std::max(k, 1), kBlock));
-  p.bn = pick_bn(t);
-  const int64_t tiles = dsa_ceil_div(std::max(n, 1), kTileM) * dsa_ceil_div(std::max<int64_t>(t, 1), p.bn);
+// The split count minimising the busiest SM's steps (a persistent CTA per SM runs units of
+// kb_per_split steps) plus the splits' cost: the reduce and the fp32 partials written and read.
+static int pick_splits_tma(int64_t tiles, int nkb, int64_t t, int n) {
+  int best = 1;
+  double best_cost = static_cast<double>(dsa_ceil_div(tiles, kPlanSms)) * nkb;
+  for (int s = 2; s <= std::min(kMaxSplits, nkb / kMinBlocksPerSplit); ++s) {
+    const int kbps = static_cast<int>(dsa_ceil_div(nkb, s));
+    const int s_eff = static_cast<int>(dsa_ceil_div(nkb, kbps));
+    const double partial_steps = 8.0 * s_eff * static_cast<double>(t) * n / kStepBytes;
+    const double cost = static_cast<double>(dsa_ceil_div(tiles * s_eff, kPlanSms)) * kbps + kSplitFixedSteps +
+                        partial_steps;
+    if (cost < best_cost) {
+      best_cost = cost;
+      best = s_eff;
+    }
+  }
+  return best;
+}
+
+static int pick_splits_legacy(int64_t tiles, int nkb) {
+  constexpr int kLegacyMinBlocksPerSplit = 4;
   int splits = 1;
-  if (tiles < kTargetCtas)
-    splits = static_cast<int>(std::min<int64_t>(dsa_ceil_div(kTargetCtas, tiles), p.nkb / kMinBlocksPerSplit));
-  splits = std::max(splits, 1);
-  p.kb_per_split = static_cast<int>(dsa_ceil_div(p.nkb, splits));
-  p.splits = static_cast<int>(dsa_ceil_div(p.nkb, p.kb_per_split));  // no empty split
-  const int64_t tt = std::max<int64_t>(t, 0);
-  p.q_bytes = align256(static_cast<size_t>(tt) * p.nkb * kBlock);
-  p.s_bytes = align256(static_cast<size_t>(tt) * p.nkb * sizeof(float));
-  p.part_bytes = p.splits > 1 ? align256(static_cast<size_t>(p.splits) * tt * std::max(n, 0) * sizeof(float)) : 0;
+  if (tiles < kLegacyTargetCtas)
+    splits = static_cast<int>(
+        std::min<int64_t>(dsa_ceil_div(kLegacyTargetCtas, tiles), nkb / kLegacyMinBlocksPerSplit));
+  return std::max(splits, 1);
+}
+
+// The fp32 partials' budget for T tokens: kMaxSplits slabs of [T, N], at most 32 MiB (a shape whose
+// slab alone exceeds it does not split). It grows with T, so a workspace sized for the largest T
+// (a TensorRT profile's max) holds the partials of every smaller T too, although a smaller T may
+// split K more.
+constexpr size_t kPartialBudgetCap = 32u << 20;
+static size_t partial_budget(int64_t t, int64_t part_row) {
+  const size_t slab = static_cast<size_t>(t) * part_row * sizeof(float);
+  return std::min(kPartialBudgetCap, static_cast<size_t>(kMaxSplits) * slab);
+}
+
+static LinearPlan plan_linear(int64_t t, int n, int k, Path forced) {
+  LinearPlan p{};
+  t = std::max<int64_t>(t, 0);
+  n = std::max(n, 1);
+  p.nkb = static_cast<int>(dsa_ceil_div(std::max(k, 1), kBlock));
+  p.path = forced != Path::kAuto ? forced : (t <= kSwapMaxTokens ? Path::kTmaSwap : Path::kTma);
+  const bool square = p.path == Path::kTma || p.path == Path::kTmaNoMc;
+  p.bt = square ? kTileM : std::min(pick_bn(t), p.path == Path::kTmaSwap ? kSwapMaxTokens : kTileM);
+  p.w_tiles = static_cast<int>(dsa_ceil_div(n, kTileM));
+  p.t_tiles = static_cast<int>(dsa_ceil_div(std::max<int64_t>(t, 1), p.bt));
+  // prefill pairs CTAs on adjacent token tiles: each loads half the weight tile for both
+  p.mc = p.path == Path::kTma && p.t_tiles >= 2 ? 2 : 1;
+  p.t_groups = static_cast<int>(dsa_ceil_div(p.t_tiles, p.mc));
+  const int64_t tiles = static_cast<int64_t>(p.w_tiles) * p.t_tiles;
+  int splits = p.path == Path::kLegacy ? pick_splits_legacy(tiles, p.nkb) : pick_splits_tma(tiles, p.nkb, t, n);
+  p.part_stride = p.path == Path::kLegacy ? n : (n + 3) / 4 * 4;
+  const size_t slab = std::max<size_t>(static_cast<size_t>(t) * p.part_stride * sizeof(float), 1);
+  splits = static_cast<int>(std::min<size_t>(splits, partial_budget(t, (n + 3) / 4 * 4) / slab));
+  p.kb_per_split = static_cast<int>(dsa_ceil_div(p.nkb, std::max(splits, 1)));
+  p.splits = static_cast<int>(dsa_ceil_div(p.nkb, p.kb_per_split));  // no empty split, never more than asked
+  p.t_pad = (t + 3) / 4 * 4;
+  p.q_bytes = align256(static_cast<size_t>(t) * p.nkb * kBlock);
+  // scales: [T, nkb] (legacy) or [nkb, t_pad] (TMA); the workspace reserves the larger
+  p.s_bytes = align256(static_cast<size_t>(p.t_pad) * p.nkb * sizeof(float));
+  p.part_bytes = p.splits > 1 ? align256(static_cast<size_t>(p.splits) * t * p.part_stride * sizeof(float)) : 0;
   return p;
 }
 
+// DSA_FP8_LINEAR_PATH -> the forced path; DSA_ERR_INVALID_ARG for a value it does not know.
+static int forced_path(Path* out) {
+  const char* e = getenv("DSA_FP8_LINEAR_PATH");
+  *out = Path::kAuto;
+  if (e == nullptr || *e == '\0' || strcmp(e, "auto") == 0) return DSA_OK;
+  if (strcmp(e, "tma") == 0) *out = Path::kTma;
+  else if (strcmp(e, "tma-nomc") == 0) *out = Path::kTmaNoMc;
+  else if (strcmp(e, "tma-swap") == 0) *out = Path::kTmaSwap;
+  else if (strcmp(e, "legacy") == 0) *out = Path::kLegacy;
+  else
+    return dsa_set_error(DSA_ERR_INVALID_ARG,
+                         "fp8_block_linear: DSA_FP8_LINEAR_PATH=%s unknown (auto, tma, tma-nomc, tma-swap, legacy)", e);
+  return DSA_OK;
+}
+
+// ---------------------------------------------------------------- launches
 template <int BN, bool kF32Out>
-static int launch_gemm(const GemmArgs& g, int m_tiles, int splits, cudaStream_t stream) {
+static int launch_legacy(const GemmArgs& g, int m_tiles, int splits, cudaStream_t stream) {
   auto kernel = linear_kernel<BN, kF32Out>;
   constexpr int smem = Tile<BN>::kSmem;
   const int st = dsa_kernel_attributes("fp8_block_linear", reinterpret_cast<const void*>(kernel), smem);
@@ -114,50 +218,8 @@ static int launch_gemm(const GemmArgs& g, int m_tiles, int splits, cudaStream_t 
   return DSA_OK;
 }
 
-}  // namespace dsa_fp8
-
-using namespace dsa_fp8;
-
-extern "C" size_t dsa_fp8_block_linear_workspace_size(int64_t num_tokens, int n, int k) {
-  const LinearPlan p = plan_linear(num_tokens, n, k);
-  return p.q_bytes + p.s_bytes + p.part_bytes;
-}
-
-extern "C" int dsa_launch_fp8_block_linear(const DsaFp8BlockLinearParams* p, cudaStream_t stream) {
-  DSA_CHECK_ARG(p != nullptr, "fp8_block_linear: params is NULL");
-  DSA_CHECK_ARG(p->num_tokens >= 0, "fp8_block_linear: num_tokens=%lld must be >= 0", (long long)p->num_tokens);
-  DSA_CHECK_ARG(p->n > 0 && p->k > 0, "fp8_block_linear: n=%d and k=%d must be positive", p->n, p->k);
-  DSA_CHECK_SUPPORTED(p->k % 16 == 0,
-                      "fp8_block_linear: k=%d unsupported: weight rows are copied in 16-byte chunks, so K must be a "
-                      "multiple of 16 (pad the weight's K with zero columns)",
-                      p->k);
-  DSA_CHECK_ARG(p->pow2_act_scales == 0 || p->pow2_act_scales == 1,
-                "fp8_block_linear: pow2_act_scales=%d must be 0 or 1", p->pow2_act_scales);
-  if (p->num_tokens == 0) return DSA_OK;
-  DSA_CHECK_ARG(p->x && p->weight && p->weight_scale && p->out && p->workspace,
-                "fp8_block_linear: NULL pointer (x=%p weight=%p weight_scale=%p out=%p workspace=%p)", p->x,
-                p->weight, p->weight_scale, p->out, p->workspace);
-  DSA_CHECK_ARG(p->x_stride >= p->k, "fp8_block_linear: x_stride=%lld < k=%d", (long long)p->x_stride, p->k);
-  DSA_CHECK_ARG(p->out_stride >= p->n, "fp8_block_linear: out_stride=%lld < n=%d", (long long)p->out_stride, p->n);
-  DSA_CHECK_ARG((reinterpret_cast<uintptr_t>(p->weight) & 15) == 0, "fp8_block_linear: weight=%p not 16-byte aligned",
-                p->weight);
-  DSA_CHECK_ARG((reinterpret_cast<uintptr_t>(p->workspace) & 15) == 0,
-                "fp8_block_linear: workspace=%p not 16-byte aligned", p->workspace);
-  DSA_CHECK_ARG((reinterpret_cast<uintptr_t>(p->x) & 1) == 0 && (reinterpret_cast<uintptr_t>(p->out) & 1) == 0,
-                "fp8_block_linear: x=%p / out=%p not 2-byte aligned (bf16)", p->x, p->out);
-
-  const LinearPlan plan = plan_linear(p->num_tokens, p->n, p->k);
-  uint8_t* ws = static_cast<uint8_t*>(p->workspace);
-  uint8_t* q = ws;
-  float* sx = reinterpret_cast<float*>(ws + plan.q_bytes);
-  float* part = reinterpret_cast<float*>(ws + plan.q_bytes + plan.s_bytes);
-
-  const int64_t warps = p->num_tokens * plan.nkb;
-  act_quant_kernel<<<static_cast<unsigned>(dsa_ceil_div(warps * 32, 256)), 256, 0, stream>>>(
-      static_cast<const uint16_t*>(p->x), p->x_stride, p->num_tokens, p->k, plan.nkb, q, sx, p->pow2_act_scales,
-      (reinterpret_cast<uintptr_t>(p->x) & 7) == 0 && p->x_stride % 4 == 0);
-  DSA_CUDA_CHECK_LAUNCH();
-
+static int legacy_gemm(const DsaFp8BlockLinearParams* p, const LinearPlan& plan, const uint8_t* q, const float* sx,
+                       float* part, cudaStream_t stream) {
   GemmArgs g{};
   g.w = static_cast<const uint8_t*>(p->weight);
   g.w_scale = p->weight_scale;
@@ -172,32 +234,230 @@ extern "C" int dsa_launch_fp8_block_linear(const DsaFp8BlockLinearParams* p, cud
   const bool split = plan.splits > 1;
   if (split) {
     g.out = part;
-    g.out_stride = p->n;
-    g.out_split_stride = p->num_tokens * p->n;
-    g.vec_store = p->n % 4 == 0;
+    g.out_stride = plan.part_stride;
+    g.out_split_stride = p->num_tokens * plan.part_stride;
+    g.vec_store = plan.part_stride % 4 == 0;
   } else {
     g.out = p->out;
     g.out_stride = p->out_stride;
     g.vec_store = (reinterpret_cast<uintptr_t>(p->out) & 15) == 0 && p->out_stride % 8 == 0;
   }
-  const int m_tiles = static_cast<int>(dsa_ceil_div(p->n, kTileM));
-  int st = DSA_OK;
-#define DSA_LINEAR_BN(BN) \
-  st = split ? launch_gemm<BN, true>(g, m_tiles, plan.splits, stream) : launch_gemm<BN, false>(g, m_tiles, 1, stream)
-  switch (plan.bn) {
-    case 8: DSA_LINEAR_BN(8); break;
-    case 16: DSA_LINEAR_BN(16); break;
-    case 32: DSA_LINEAR_BN(32); break;
-    case 64: DSA_LINEAR_BN(64); break;
-    default: DSA_LINEAR_BN(128); break;
+  const int m_tiles = plan.w_tiles;
+#define DSA_LINEAR_BN(BN)                                                    \
+  return split ? launch_legacy<BN, true>(g, m_tiles, plan.splits, stream) \
+               : launch_legacy<BN, false>(g, m_tiles, 1, stream)
+  switch (plan.bt) {
+    case 8: DSA_LINEAR_BN(8);
+    case 16: DSA_LINEAR_BN(16);
+    case 32: DSA_LINEAR_BN(32);
+    case 64: DSA_LINEAR_BN(64);
+    default: DSA_LINEAR_BN(128);
   }
 #undef DSA_LINEAR_BN
+}
+
+// Clusters of kMc CTAs that can be resident at once on this device (GPCs of odd SM counts leave
+// SMs out of pairs): the persistent grid must not exceed one wave. Per device, asked once.
+template <typename Kernel>
+static int resident_clusters(Kernel kernel, int mc, int smem, int dev, int* out) {
+  static std::atomic<int> cache[64];
+  if (dev >= 0 && dev < 64 && cache[dev].load() > 0) {
+    *out = cache[dev].load();
+    return DSA_OK;
+  }
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(static_cast<unsigned>(mc));
+  cfg.blockDim = dim3(dsa_fp8_ws::kThreads);
+  cfg.dynamicSmemBytes = smem;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = static_cast<unsigned>(mc);
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  int n = 0;
+  DSA_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&n, kernel, &cfg));
+  DSA_CHECK_SUPPORTED(n > 0, "fp8_block_linear: no cluster of %d CTAs (%d bytes of shared memory each) fits device %d",
+                      mc, smem, dev);
+  if (dev >= 0 && dev < 64) cache[dev].store(n);
+  *out = n;
+  return DSA_OK;
+}
+
+template <bool kSwap, int BT, bool kF32Out, int kMc>
+static int launch_ws(const dsa_fp8_ws::WsArgs& g, const CUtensorMap& mw, const CUtensorMap& mx,
+                     const CUtensorMap& ms, cudaStream_t stream) {
+  auto kernel = dsa_fp8_ws::fp8_gemm_ws_kernel<kSwap, BT, kF32Out, kMc>;
+  constexpr int smem = dsa_fp8_ws::WsTile<kSwap, BT>::kSmem;
+  const int st = dsa_kernel_attributes("fp8_block_linear", reinterpret_cast<const void*>(kernel), smem);
   if (st != DSA_OK) return st;
+  int dev = 0, slots = 0;
+  DSA_CUDA_CHECK(cudaGetDevice(&dev));
+  if (kMc == 1) {
+    DSA_CUDA_CHECK(cudaDeviceGetAttribute(&slots, cudaDevAttrMultiProcessorCount, dev));
+  } else {
+    const int rc = resident_clusters(kernel, kMc, smem, dev, &slots);
+    if (rc != DSA_OK) return rc;
+  }
+  const int64_t units = static_cast<int64_t>(g.w_tiles) * g.t_groups * g.splits;  // one per cluster
+  DSA_CHECK_SUPPORTED(units < (1ll << 31), "fp8_block_linear: %lld work units exceed int32", (long long)units);
+  const unsigned grid = static_cast<unsigned>(kMc * std::min<int64_t>(units, std::max(slots, 1)));
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(grid);
+  cfg.blockDim = dim3(dsa_fp8_ws::kThreads);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[2];
+  attr[0] = dsa_pdl_attr();
+  attr[1].id = cudaLaunchAttributeClusterDimension;
+  attr[1].val.clusterDim.x = static_cast<unsigned>(kMc);
+  attr[1].val.clusterDim.y = 1;
+  attr[1].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = kMc > 1 ? 2 : 1;
+  DSA_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, g, mw, mx, ms));
+  return DSA_OK;
+}
+
+static int tma_gemm(const DsaFp8BlockLinearParams* p, const LinearPlan& plan, const uint8_t* q, const float* sx,
+                    float* part, cudaStream_t stream) {
+  using namespace dsa_fp8_ws;
+  DSA_CHECK_ARG((reinterpret_cast<uintptr_t>(p->weight_scale) & 3) == 0,
+                "fp8_block_linear: weight_scale=%p not 4-byte aligned", p->weight_scale);
+  const int64_t t = p->num_tokens;
+  const int bt = plan.bt;
+  CUtensorMap mw, mx, ms;
+  int st = encode_tensor_map_2d(&mw, p->weight, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, p->k, p->n, p->k, kBlock,
+                                kTileM / plan.mc, CU_TENSOR_MAP_SWIZZLE_128B, "weight");
+  if (st != DSA_OK) return st;
+  st = encode_tensor_map_2d(&mx, q, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, static_cast<uint64_t>(plan.nkb) * kBlock, t,
+                            static_cast<uint64_t>(plan.nkb) * kBlock, kBlock, bt, CU_TENSOR_MAP_SWIZZLE_128B,
+                            "quantised x");
+  if (st != DSA_OK) return st;
+  st = encode_tensor_map_2d(&ms, sx, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, t, plan.nkb, plan.t_pad * 4, bt, 1,
+                            CU_TENSOR_MAP_SWIZZLE_NONE, "x scales");
+  if (st != DSA_OK) return st;
+
+  WsArgs g{};
+  g.w_scale = p->weight_scale;
+  g.rows = t;
+  g.n = p->n;
+  g.nkb = plan.nkb;
+  g.w_tiles = plan.w_tiles;
+  g.t_tiles = plan.t_tiles;
+  g.t_groups = plan.t_groups;
+  g.splits = plan.splits;
+  g.kb_per_split = plan.kb_per_split;
+  const bool split = plan.splits > 1;
   if (split) {
+    g.out = part;
+    g.out_stride = plan.part_stride;
+    g.out_split_stride = t * plan.part_stride;
+  } else {
+    g.out = p->out;
+    g.out_stride = p->out_stride;
+    g.vec_store = (reinterpret_cast<uintptr_t>(p->out) & 15) == 0 && p->out_stride % 8 == 0;
+  }
+#define DSA_WS(SWAP, BT, MC)                                                  \
+  return split ? launch_ws<SWAP, BT, true, MC>(g, mw, mx, ms, stream) \
+               : launch_ws<SWAP, BT, false, MC>(g, mw, mx, ms, stream)
+  if (plan.path != Path::kTmaSwap) {
+    if (plan.mc == 2) DSA_WS(false, 128, 2);
+    DSA_WS(false, 128, 1);
+  }
+  switch (bt) {
+    case 8: DSA_WS(true, 8, 1);
+    case 16: DSA_WS(true, 16, 1);
+    case 32: DSA_WS(true, 32, 1);
+    default: DSA_WS(true, 64, 1);
+  }
+#undef DSA_WS
+}
+
+}  // namespace dsa_fp8
+
+using namespace dsa_fp8;
+
+// Any path's plan (DSA_FP8_LINEAR_PATH may force one at launch) for any T' <= num_tokens: the
+// quantised rows and scales grow with T, every plan's partials fit partial_budget(T'), which does.
+extern "C" size_t dsa_fp8_block_linear_workspace_size(int64_t num_tokens, int n, int k) {
+  const LinearPlan p = plan_linear(num_tokens, n, k, Path::kAuto);
+  const int64_t t = std::max<int64_t>(num_tokens, 0);
+  const size_t budget = t > 0 ? align256(partial_budget(t, (std::max(n, 1) + 3) / 4 * 4)) : 0;
+  return p.q_bytes + p.s_bytes + budget;
+}
+
+extern "C" const char* dsa_fp8_block_linear_path(int64_t num_tokens, int n, int k) {
+  static thread_local char text[64];
+  Path forced = Path::kAuto;
+  if (forced_path(&forced) != DSA_OK) return "invalid DSA_FP8_LINEAR_PATH";
+  const LinearPlan p = plan_linear(num_tokens, n, k, forced);
+  const char* name = p.path == Path::kTma        ? "tma"
+                     : p.path == Path::kTmaNoMc ? "tma-nomc"
+                     : p.path == Path::kTmaSwap ? "tma-swap"
+                                                : "legacy";
+  // tile: weight rows x tokens; "x2": pairs of CTAs share (multicast) the weight tile
+  snprintf(text, sizeof(text), "%s 128x%d%s split %d", name, p.bt, p.mc > 1 ? " x2" : "", p.splits);
+  return text;
+}
+
+extern "C" int dsa_launch_fp8_block_linear(const DsaFp8BlockLinearParams* p, cudaStream_t stream) {
+  DSA_CHECK_ARG(p != nullptr, "fp8_block_linear: params is NULL");
+  DSA_CHECK_ARG(p->num_tokens >= 0, "fp8_block_linear: num_tokens=%lld must be >= 0", (long long)p->num_tokens);
+  DSA_CHECK_ARG(p->n > 0 && p->k > 0, "fp8_block_linear: n=%d and k=%d must be positive", p->n, p->k);
+  DSA_CHECK_SUPPORTED(p->k % 16 == 0,
+                      "fp8_block_linear: k=%d unsupported: weight rows are copied in 16-byte chunks, so K must be a "
+                      "multiple of 16 (pad the weight's K with zero columns)",
+                      p->k);
+  DSA_CHECK_ARG(p->pow2_act_scales == 0 || p->pow2_act_scales == 1,
+                "fp8_block_linear: pow2_act_scales=%d must be 0 or 1", p->pow2_act_scales);
+  Path forced = Path::kAuto;
+  const int fst = forced_path(&forced);
+  if (fst != DSA_OK) return fst;
+  if (p->num_tokens == 0) return DSA_OK;
+  DSA_CHECK_ARG(p->x && p->weight && p->weight_scale && p->out && p->workspace,
+                "fp8_block_linear: NULL pointer (x=%p weight=%p weight_scale=%p out=%p workspace=%p)", p->x,
+                p->weight, p->weight_scale, p->out, p->workspace);
+  DSA_CHECK_ARG(p->x_stride >= p->k, "fp8_block_linear: x_stride=%lld < k=%d", (long long)p->x_stride, p->k);
+  DSA_CHECK_ARG(p->out_stride >= p->n, "fp8_block_linear: out_stride=%lld < n=%d", (long long)p->out_stride, p->n);
+  DSA_CHECK_ARG((reinterpret_cast<uintptr_t>(p->weight) & 15) == 0, "fp8_block_linear: weight=%p not 16-byte aligned",
+                p->weight);
+  DSA_CHECK_ARG((reinterpret_cast<uintptr_t>(p->workspace) & 15) == 0,
+                "fp8_block_linear: workspace=%p not 16-byte aligned", p->workspace);
+  DSA_CHECK_ARG((reinterpret_cast<uintptr_t>(p->x) & 1) == 0 && (reinterpret_cast<uintptr_t>(p->out) & 1) == 0,
+                "fp8_block_linear: x=%p / out=%p not 2-byte aligned (bf16)", p->x, p->out);
+
+  const LinearPlan plan = plan_linear(p->num_tokens, p->n, p->k, forced);
+  const bool legacy = plan.path == Path::kLegacy;
+  uint8_t* ws = static_cast<uint8_t*>(p->workspace);
+  uint8_t* q = ws;
+  float* sx = reinterpret_cast<float*>(ws + plan.q_bytes);
+  float* part = reinterpret_cast<float*>(ws + plan.q_bytes + plan.s_bytes);
+
+  const int64_t warps = p->num_tokens * plan.nkb;
+  act_quant_kernel<<<static_cast<unsigned>(dsa_ceil_div(warps * 32, 256)), 256, 0, stream>>>(
+      static_cast<const uint16_t*>(p->x), p->x_stride, p->num_tokens, p->k, plan.nkb, q, sx,
+      legacy ? plan.nkb : 1, legacy ? 1 : plan.t_pad, p->pow2_act_scales,
+      (reinterpret_cast<uintptr_t>(p->x) & 7) == 0 && p->x_stride % 4 == 0);
+  DSA_CUDA_CHECK_LAUNCH();
+
+  const int st = legacy ? legacy_gemm(p, plan, q, sx, part, stream) : tma_gemm(p, plan, q, sx, part, stream);
+  if (st != DSA_OK) return st;
+  if (plan.splits > 1) {
     const int64_t total = p->num_tokens * p->n;
-    splitk_reduce_kernel<<<static_cast<unsigned>(dsa_ceil_div(total, 256)), 256, 0, stream>>>(
-        part, plan.splits, total, p->num_tokens, p->n, static_cast<uint16_t*>(p->out), p->out_stride);
-    DSA_CUDA_CHECK_LAUNCH();
+    const dim3 grid(static_cast<unsigned>(dsa_ceil_div(total, 256)));
+    const float* cpart = part;
+    uint16_t* out = static_cast<uint16_t*>(p->out);
+    const int64_t split_stride = p->num_tokens * plan.part_stride;
+    if (legacy) {
+      splitk_reduce_kernel<<<grid, 256, 0, stream>>>(cpart, plan.splits, split_stride, plan.part_stride,
+                                                     p->num_tokens, p->n, out, p->out_stride);
+      DSA_CUDA_CHECK_LAUNCH();
+    } else {
+      DSA_CUDA_CHECK(dsa_launch_pdl(splitk_reduce_kernel, grid, dim3(256), 0, stream, cpart, plan.splits,
+                                    split_stride, plan.part_stride, p->num_tokens, p->n, out, p->out_stride));
+    }
   }
   return DSA_OK;
 }

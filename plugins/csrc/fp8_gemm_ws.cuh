@@ -1,0 +1,502 @@
+// DSA-TRT kernels: the warp-specialised, TMA-fed fp8 block GEMM of the linear (fp8_linear.cu).
+//
+// out[t, n] = sum_kb s_x[t, kb] * s_w[n / 128, kb] * sum_{k in kb} q[t, k] * w[n, k], the fp32 inner
+// sums per 128-wide K block from e4m3 wgmma (dsa_moe_kernels.h gives the numerics).
+//
+// A CTA is 384 threads: warpgroup 0 is the producer (one thread issues every TMA load; the other
+// 127 idle), warpgroups 1 and 2 are the consumers. Each computes a 64-row half of the
+// CTA's 128-row wgmma M. Two tilings of the same kernel, kSwap:
+//   false (prefill, T > 64): M = 128 tokens, N = 128 weight rows; a consumer runs m64n128k32.
+//   true  (decode, T <= 64): "swap AB", M = 128 weight rows, N = BT tokens (8..64), m64nBTk32:
+//          decode is bound by the weight read, and 128 tokens of M would be mostly padding.
+// Either way a tile is 128 weight rows (one weight-scale row block: s_w is one scalar per K block)
+// against BT tokens (128 or 8..64), over K blocks [kb_begin, kb_end) of its split.
+//
+// Multicast (kMc = 2, prefill): CTAs run in clusters of two on adjacent token tiles of one weight
+// tile; each loads its own token tile and half the weight tile into both CTAs (TMA multicast), so
+// a CTA pulls 24 KB instead of 32 KB from L2 per K block (L2 bandwidth, not the MMAs, would
+// bound the 128 x 128 tile otherwise).
+//
+// Work: units = (weight tile, token tile, K split), ordered split-fastest, then in groups of
+// kGroupW weight tiles with the token tiles inner (a wave of CTAs shares a few weight tiles and
+// a few token tiles in L2). The grid is persistent: CTA b runs units b, b + gridDim.x, ...; the
+// producer runs ahead into the next unit while the consumers finish the last, so the ring never
+// drains between units.
+//
+// Ring: kStages stages of [weight tile 128 x 128 B | token tile BT x 128 B | BT token scales],
+// both tiles K-major with the 128-byte swizzle that the wgmma descriptors read (TMA writes that
+// pattern: SWIZZLE_128B, 1024-aligned), scales fp32 from the transposed scale matrix
+// s_x^T [nkb, T]. TMA zero-fills everything outside the tensors: weight rows past N, tokens past
+// T, K past the end of a partial block (the weight's K; the quantised activations are zero there
+// already), so edge tiles need no predication until the stores.
+//
+// mbarriers per stage s: full[s] (1 arrival: the producer's arrive.expect_tx of the stage's bytes,
+// then the TMA transactions, the peer's multicast half included, which may land before the
+// expect_tx: the tx-count may go negative within a phase) and empty[s] (8 kMc arrivals: lane 0 of
+// each consumer warp of every CTA in the cluster, once its warpgroup's wgmmas of that stage
+// completed and it read the stage's scales). Both CTAs of a cluster run the same iteration
+// sequence (same weight tile and K blocks per unit), so their stages and rounds agree; a peer
+// refills stage s of round r + 1 only after this CTA's consumers released round r, which they do
+// after this CTA's full[s] completed round r: its multicast bytes always count to the right phase. Iteration i (over
+// every K block of every unit of this CTA, in order) uses stage i % kStages in round
+// r = i / kStages: consumers wait full[s] with parity r & 1 (the r-th completion), the producer
+// waits empty[s] with parity (r & 1) ^ 1, i.e. the (r-1)-th release; in round 0 that is the phase
+// "before" the first, which try_wait.parity reports complete, so the first kStages loads start at
+// once. A stage is reused only after both warpgroups released it, and full[s] cannot complete
+// twice ahead of a consumer because its producer waits on the release first.
+//
+// Per K block a consumer issues 4 x wgmma k32 into a zeroed fp32 accumulator, waits for them, and
+// promotes: total += acc * (s_x * s_w) (the official fp8_gemm's per-block fp32 scaling), while the
+// other warpgroup's wgmmas keep the tensor cores busy.
+//
+// Programmatic dependent launch: launched after the activation quantiser, the producer first loads
+// the weight tiles of its first kStages stages (which do not depend on it), then waits
+// (griddepcontrol.wait) and loads the activations; decode's weight stream starts while the
+// quantiser runs.
+//
+// Epilogue: bf16 through shared memory (16-byte row-segment stores), or fp32 partials of a K
+// split straight from registers (the reduce kernel sums them in split order: deterministic).
+#pragma once
+
+#include <cuda.h>  // CUtensorMap (a by-value kernel parameter; the driver is reached via the runtime)
+#include <cudaTypedefs.h>
+
+#include "fp8_gemm.cuh"
+
+namespace dsa_fp8_ws {
+
+using dsa_fp8::float_to_bf16_bits;
+using dsa_fp8::kBlock;
+using dsa_fp8::kTileM;
+
+constexpr int kThreads = 384;      // producer warpgroup + two consumer warpgroups
+constexpr int kGroupW = 8;         // weight tiles per raster group
+constexpr uint32_t kProducerRegs = 40, kConsumerRegs = 232;  // 128 * 40 + 256 * 232 <= 65536
+constexpr int kEmptyArrivals = 8;  // one per consumer warp
+constexpr int kEpiPad = 8;         // bf16 staging rows of 128 + 8 elements: conflict-free, 16-byte rows
+
+struct WsArgs {
+  const float* w_scale;      // [ceil(N/128), nkb] fp32
+  void* out;                 // bf16 [rows, out_stride], or fp32 partials [splits][rows, part_stride]
+  int64_t out_stride;        // elements (bf16 out) or part_stride (fp32 partials, a multiple of 4)
+  int64_t out_split_stride;  // elements between two splits' partial slabs
+  int64_t rows;              // T
+  int n, nkb;                // N, ceil(K / 128)
+  int w_tiles, t_tiles, splits, kb_per_split;
+  int t_groups;              // ceil(t_tiles / kMc): token tiles of a cluster's unit
+  int vec_store;             // 1: bf16 out rows are 16-byte aligned (out 16-aligned, out_stride % 8 == 0)
+};
+
+template <bool kSwap, int BT>
+struct WsTile {
+  static_assert(kSwap ? (BT == 8 || BT == 16 || BT == 32 || BT == 64) : BT == 128, "token tile width");
+  static constexpr int kW = kTileM * kBlock;  // weight tile bytes (16 KB)
+  static constexpr int kX = BT * kBlock;      // token tile bytes (a multiple of 1024)
+  static constexpr int kS = 1024;             // BT scales, padded so stages stay 1024-aligned
+  static constexpr int kStage = kW + kX + kS;
+  static constexpr uint32_t kTxBytes = kW + kX + BT * 4;  // what TMA writes per stage (boxes, OOB included)
+  static constexpr int kAcc = (kSwap ? BT : kTileM) / 2;  // fp32 accumulators per consumer thread
+  // bf16 staging: kSwap, [BT tokens][128 weight rows + pad] (transposed); else per consumer
+  // warpgroup [64 tokens][128 weight rows + pad]
+  static constexpr int kEpiRows = kSwap ? BT : 2 * 64;
+  static constexpr int kEpi = kEpiRows * (kTileM + kEpiPad) * 2;
+  // Decode streams the weight: as many stages as fit (8..12, 128-192 KB of loads in flight per
+  // SM, and as much weight prefetched while the quantiser runs); prefill needs fewer.
+  static constexpr int kStages = kSwap ? (220 * 1024 - kEpi) / kStage : 5;
+  static constexpr int kBars = 2 * kStages * 8;
+  static constexpr int kSmem = kStages * kStage + kEpi + kBars + 1024;  // + alignment slack
+  static_assert(BT * 4 <= kS, "scales must fit their slot");
+  static_assert(kSmem <= 227 * 1024, "shared memory budget of an sm_90 CTA");
+};
+
+// ---------------------------------------------------------------- PTX
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+__device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+// Blocks until the phase of parity `parity` completed (acquire: the TMA-written bytes are visible).
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  asm volatile(
+      "{\n"
+      ".reg .pred P1;\n"
+      "WS_WAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1;\n"
+      "@P1 bra WS_DONE;\n"
+      "bra WS_WAIT;\n"
+      "WS_DONE:\n"
+      "}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+// 2-D tensor tile (c0 inner, c1 outer) -> shared memory, completing on `bar`'s transaction count.
+__device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map, uint32_t bar, int c0, int c1) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];" ::"r"(
+          dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1)
+      : "memory");
+}
+// The same box into the shared memory of every CTA in `mask` of the cluster (same offset), each
+// completing on its own barrier at `bar`'s offset.
+__device__ __forceinline__ void tma_load_2d_multicast(uint32_t dst, const CUtensorMap* map, uint32_t bar, int c0,
+                                                      int c1, uint16_t mask) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster [%0], [%1, {%3, "
+      "%4}], [%2], %5;" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1), "h"(mask)
+      : "memory");
+}
+// Arrive on the barrier at `bar`'s offset in cluster CTA `rank` (release.cluster).
+__device__ __forceinline__ void mbar_arrive_cluster(uint32_t bar, uint32_t rank) {
+  uint32_t remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(bar), "r"(rank));
+  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(remote) : "memory");
+}
+__device__ __forceinline__ uint32_t cluster_ctarank() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+}
+// Every thread of every CTA of the cluster (release / acquire: barrier inits, remote arrivals).
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;" ::: "memory");
+}
+__device__ __forceinline__ void tma_prefetch_desc(const CUtensorMap* map) {
+  asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
+}
+__device__ __forceinline__ void named_bar_sync(uint32_t id, uint32_t threads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+template <uint32_t kRegs>
+__device__ __forceinline__ void setmaxnreg_inc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+}
+template <uint32_t kRegs>
+__device__ __forceinline__ void setmaxnreg_dec() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+}
+
+// ---------------------------------------------------------------- work units
+// A cluster's unit: weight tile w_tile, token tiles [kMc t_group, +kMc) (CTA rank r takes
+// kMc t_group + r: t_tile; one past the last token tile loads the last again (t_load) and stores
+// nothing), K blocks [kb_begin, kb_end).
+struct Unit {
+  int w_tile, t_tile, t_load, kb_begin, kb_end;
+};
+template <int kMc>
+__device__ __forceinline__ Unit unit_of(const WsArgs& g, int u, int rank) {
+  const int split = u % g.splits, v = u / g.splits;
+  const int per_group = kGroupW * g.t_groups;
+  const int first_w = (v / per_group) * kGroupW;
+  const int gsize = min(g.w_tiles - first_w, kGroupW);
+  const int in_group = v % per_group;
+  Unit r;
+  r.w_tile = first_w + in_group % gsize;
+  r.t_tile = (in_group / gsize) * kMc + rank;
+  r.t_load = min(r.t_tile, g.t_tiles - 1);
+  r.kb_begin = split * g.kb_per_split;
+  r.kb_end = min(g.nkb, r.kb_begin + g.kb_per_split);
+  return r;
+}
+
+// ---------------------------------------------------------------- roles
+// kMc = 2: this CTA (rank) loads its token tile, its scales and weight rows [64 rank, +64) of the
+// shared weight tile, the latter multicast into both CTAs; a stage is refilled once the consumers
+// of both CTAs released it (each consumer warp arrives on both CTAs' empty barriers).
+template <bool kSwap, int BT, int kMc>
+__device__ __forceinline__ void producer(const WsArgs& g, const CUtensorMap* map_w, const CUtensorMap* map_x,
+                                         const CUtensorMap* map_s, uint8_t* smem, uint32_t full0, uint32_t empty0,
+                                         int units, int cluster, int clusters, int rank) {
+  using L = WsTile<kSwap, BT>;
+  constexpr int S = L::kStages;
+  const uint32_t base = smem_u32(smem);
+  tma_prefetch_desc(map_w);
+  tma_prefetch_desc(map_x);
+  tma_prefetch_desc(map_s);
+  constexpr int kWRows = kTileM / kMc;  // weight rows this CTA loads per stage
+  const uint32_t w_off = rank * kWRows * kBlock;
+  auto load_w = [&](uint32_t st, uint32_t full, int kb, int w_tile) {
+    if constexpr (kMc == 1)
+      tma_load_2d(st, map_w, full, kb * kBlock, w_tile * kTileM);
+    else  // a half past N (N <= 64 in the last tile) reads row N - 1 instead: no box starts out of
+          // bounds; the rows it fills belong to outputs past N, which are never stored
+      tma_load_2d_multicast(st + w_off, map_w, full, kb * kBlock, min(w_tile * kTileM + rank * kWRows, g.n - 1),
+                            static_cast<uint16_t>((1u << kMc) - 1));
+  };
+  // Weight tiles of the first S iterations (every stage starts empty), before the activations exist.
+  // (The expect_tx covers the whole stage: a peer's multicast may land before or after it.)
+  int pre = 0;
+  for (int u = cluster; u < units && pre < S; u += clusters) {
+    const Unit w = unit_of<kMc>(g, u, rank);
+    for (int kb = w.kb_begin; kb < w.kb_end && pre < S; ++kb, ++pre) {
+      mbar_arrive_expect_tx(full0 + 8 * pre, L::kTxBytes);
+      load_w(base + pre * L::kStage, full0 + 8 * pre, kb, w.w_tile);
+    }
+  }
+  dsa_pdl_wait();  // the quantised activations and their scales are written
+  int i = 0, s = 0;
+  uint32_t phase = 0;
+  for (int u = cluster; u < units; u += clusters) {
+    const Unit w = unit_of<kMc>(g, u, rank);
+    for (int kb = w.kb_begin; kb < w.kb_end; ++kb, ++i) {
+      const uint32_t full = full0 + 8 * s, st = base + s * L::kStage;
+      if (i >= pre) {
+        mbar_wait(empty0 + 8 * s, phase ^ 1);
+        mbar_arrive_expect_tx(full, L::kTxBytes);
+        load_w(st, full, kb, w.w_tile);
+      }
+      tma_load_2d(st + L::kW, map_x, full, kb * kBlock, w.t_load * BT);
+      tma_load_2d(st + L::kW + L::kX, map_s, full, w.t_load * BT, kb);
+      if (++s == S) {
+        s = 0;
+        phase ^= 1;
+      }
+    }
+  }
+}
+
+// Consumer warpgroup c (0, 1) of the CTA; ct = its thread index (0..127).
+template <bool kSwap, int BT, bool kF32Out, int kMc>
+__device__ __forceinline__ void consumer(const WsArgs& g, uint8_t* smem, uint32_t full0, uint32_t empty0, int units,
+                                         int c, int cluster, int clusters, int rank) {
+  using L = WsTile<kSwap, BT>;
+  constexpr int S = L::kStages, R = L::kAcc;
+  constexpr int kOutRow = kTileM + kEpiPad;
+  const int ct = threadIdx.x - 128 * (c + 1), warp = ct >> 5, lane = ct & 31;
+  const int quad = lane & 3, grp = lane >> 2;
+  const int r_lo = 64 * c + 16 * warp + grp;  // this thread's wgmma rows r_lo and r_lo + 8 (of 128)
+  uint16_t* epi = reinterpret_cast<uint16_t*>(smem + S * L::kStage);
+  int s = 0;
+  uint32_t phase = 0;
+  // lane 0 of each warp releases a stage on every CTA of the cluster (all of them refill it)
+  auto release = [&](int stage) {
+    __syncwarp();
+    if (lane == 0) {
+      if constexpr (kMc == 1) {
+        mbar_arrive(empty0 + 8 * stage);
+      } else {
+#pragma unroll
+        for (int q = 0; q < kMc; ++q) mbar_arrive_cluster(empty0 + 8 * stage, q);
+      }
+    }
+  };
+  for (int u = cluster; u < units; u += clusters) {
+    const Unit w = unit_of<kMc>(g, u, rank);
+    const float* ws = g.w_scale + static_cast<int64_t>(w.w_tile) * g.nkb;
+    float total[R], acc[R];
+#pragma unroll
+    for (int j = 0; j < R; ++j) total[j] = 0.f;
+    for (int kb = w.kb_begin; kb < w.kb_end; ++kb) {
+      const float sw = __ldg(ws + kb);
+      uint8_t* st = smem + s * L::kStage;
+      mbar_wait(full0 + 8 * s, phase);
+      // wgmma A: this warpgroup's 64 rows of the M operand; B: the whole N operand
+      const uint64_t da = dsa_fp8::make_desc_sw128(st + (kSwap ? 0 : L::kW) + c * 64 * kBlock);
+      const uint64_t db = dsa_fp8::make_desc_sw128(st + (kSwap ? L::kW : 0));
+#pragma unroll
+      for (int j = 0; j < R; ++j) dsa_fp8::fence_operand(acc[j]);
+      dsa_wgmma::wgmma_fence();
+      constexpr int kN = kSwap ? BT : kTileM;
+      dsa_fp8_mma::SS<kN>::run(acc, da + 0, db + 0, 0);  // k32 steps: +32 bytes = +2 in descriptor units
+      dsa_fp8_mma::SS<kN>::run(acc, da + 2, db + 2, 1);
+      dsa_fp8_mma::SS<kN>::run(acc, da + 4, db + 4, 1);
+      dsa_fp8_mma::SS<kN>::run(acc, da + 6, db + 6, 1);
+      dsa_wgmma::wgmma_commit();
+      dsa_wgmma::wgmma_wait<0>();
+#pragma unroll
+      for (int j = 0; j < R; ++j) dsa_fp8::fence_operand(acc[j]);
+      const float* sx = reinterpret_cast<const float*>(st + L::kW + L::kX);
+      // acc[4j + {0,1}]: row r_lo, columns 8j + 2 quad + {0,1}; acc[4j + {2,3}]: row r_lo + 8
+      if constexpr (kSwap) {
+        float2 s2[BT / 8];
+#pragma unroll
+        for (int j = 0; j < BT / 8; ++j) s2[j] = *reinterpret_cast<const float2*>(sx + 8 * j + 2 * quad);
+        release(s);
+#pragma unroll
+        for (int j = 0; j < BT / 8; ++j) {
+          const float s0 = sw * s2[j].x, s1 = sw * s2[j].y;
+          total[4 * j + 0] = fmaf(acc[4 * j + 0], s0, total[4 * j + 0]);
+          total[4 * j + 1] = fmaf(acc[4 * j + 1], s1, total[4 * j + 1]);
+          total[4 * j + 2] = fmaf(acc[4 * j + 2], s0, total[4 * j + 2]);
+          total[4 * j + 3] = fmaf(acc[4 * j + 3], s1, total[4 * j + 3]);
+        }
+      } else {
+        const float s0 = sw * sx[r_lo], s1 = sw * sx[r_lo + 8];
+        release(s);
+#pragma unroll
+        for (int j = 0; j < R / 4; ++j) {
+          total[4 * j + 0] = fmaf(acc[4 * j + 0], s0, total[4 * j + 0]);
+          total[4 * j + 1] = fmaf(acc[4 * j + 1], s0, total[4 * j + 1]);
+          total[4 * j + 2] = fmaf(acc[4 * j + 2], s1, total[4 * j + 2]);
+          total[4 * j + 3] = fmaf(acc[4 * j + 3], s1, total[4 * j + 3]);
+        }
+      }
+      if (++s == S) {
+        s = 0;
+        phase ^= 1;
+      }
+    }
+
+    // ------------------------------------------------ epilogue
+    const int n0 = w.w_tile * kTileM;
+    const int64_t t0 = static_cast<int64_t>(w.t_tile) * BT;  // >= rows for a CTA past the last tile
+    if constexpr (kF32Out) {
+      // partial slab of this split: [rows][part_stride] fp32, columns past N land in the padding
+      float* part = static_cast<float*>(g.out) + static_cast<int64_t>(w.kb_begin / g.kb_per_split) *
+                                                     g.out_split_stride;
+#pragma unroll
+      for (int j = 0; j < R / 4; ++j) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int row = r_lo + 8 * h, col = 8 * j + 2 * quad;
+          if constexpr (kSwap) {  // row: weight row, col: token
+            const int n = n0 + row;
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const int64_t t = t0 + col + e;
+              if (t < g.rows && n < g.out_stride) part[t * g.out_stride + n] = total[4 * j + 2 * h + e];
+            }
+          } else {  // row: token, col: weight row
+            const int64_t t = t0 + row;
+            const int n = n0 + col;
+            if (t < g.rows && n < g.out_stride)
+              *reinterpret_cast<float2*>(part + t * g.out_stride + n) =
+                  make_float2(total[4 * j + 2 * h], total[4 * j + 2 * h + 1]);
+          }
+        }
+      }
+    } else {
+      // stage bf16 [token][weight row] in shared memory, then 16-byte row segments to global
+      uint16_t* tile = kSwap ? epi : epi + c * 64 * kOutRow;
+#pragma unroll
+      for (int j = 0; j < R / 4; ++j) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int row = r_lo + 8 * h, col = 8 * j + 2 * quad;
+          if constexpr (kSwap) {
+            tile[col * kOutRow + row] = float_to_bf16_bits(total[4 * j + 2 * h]);
+            tile[(col + 1) * kOutRow + row] = float_to_bf16_bits(total[4 * j + 2 * h + 1]);
+          } else {
+            const uint32_t v = static_cast<uint32_t>(float_to_bf16_bits(total[4 * j + 2 * h])) |
+                               (static_cast<uint32_t>(float_to_bf16_bits(total[4 * j + 2 * h + 1])) << 16);
+            *reinterpret_cast<uint32_t*>(tile + (row - 64 * c) * kOutRow + col) = v;
+          }
+        }
+      }
+      // kSwap: both warpgroups fill one tile (barrier 1, 256 threads); else each its own (2 + c)
+      const uint32_t bar_id = kSwap ? 1 : 2 + c, bar_threads = kSwap ? 256 : 128;
+      named_bar_sync(bar_id, bar_threads);
+      constexpr int kRows = kSwap ? BT : 64;
+      const int first = kSwap ? ct + 128 * c : ct, step = kSwap ? 256 : 128;
+      const int64_t row0 = t0 + (kSwap ? 0 : 64 * c);
+      uint16_t* out = static_cast<uint16_t*>(g.out);
+      for (int v = first; v < kRows * (kTileM / 8); v += step) {
+        const int r = v / (kTileM / 8), n = n0 + (v % (kTileM / 8)) * 8;
+        const int64_t t = row0 + r;
+        if (t >= g.rows || n >= g.n) continue;
+        const uint16_t* src = tile + r * kOutRow + (n - n0);
+        uint16_t* dst = out + t * g.out_stride + n;
+        if (g.vec_store && n + 8 <= g.n) {
+          *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+        } else {
+          for (int e = 0; e < 8 && n + e < g.n; ++e) dst[e] = src[e];
+        }
+      }
+      named_bar_sync(bar_id, bar_threads);  // the staging tile is free for the next unit
+    }
+  }
+}
+
+template <bool kSwap, int BT, bool kF32Out, int kMc>
+__global__ void __launch_bounds__(kThreads, 1)
+    fp8_gemm_ws_kernel(const WsArgs g, const __grid_constant__ CUtensorMap map_w,
+                       const __grid_constant__ CUtensorMap map_x, const __grid_constant__ CUtensorMap map_s) {
+  static_assert(kMc == 1 || (kMc == 2 && !kSwap), "multicast pairs prefill CTAs only");
+  using L = WsTile<kSwap, BT>;
+  extern __shared__ uint8_t smem_raw[];
+  uint8_t* smem = dsa_fp8::align_smem_1024(smem_raw);
+  const uint32_t full0 = smem_u32(smem + L::kStages * L::kStage + L::kEpi);
+  const uint32_t empty0 = full0 + 8 * L::kStages;
+  const int units = g.w_tiles * g.t_groups * g.splits;
+  // clusters of kMc CTAs along x (kMc = 1: every CTA is its own)
+  const int rank = kMc == 1 ? 0 : static_cast<int>(cluster_ctarank());
+  const int cluster = blockIdx.x / kMc, clusters = gridDim.x / kMc;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < L::kStages; ++s) {
+      mbar_init(full0 + 8 * s, 1);
+      mbar_init(empty0 + 8 * s, kEmptyArrivals * kMc);
+    }
+    // the initialised barriers, visible to the async proxy (TMA completes on them) and the cluster
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  }
+  if constexpr (kMc == 1)
+    __syncthreads();
+  else
+    cluster_sync();  // the peer's barriers exist before any multicast or remote arrival
+  if (threadIdx.x < 128) {
+    setmaxnreg_dec<kProducerRegs>();
+    if (threadIdx.x == 0)
+      producer<kSwap, BT, kMc>(g, &map_w, &map_x, &map_s, smem, full0, empty0, units, cluster, clusters, rank);
+    // the rest of the producer warpgroup has no work (its dependents may launch: no global access)
+    else asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+  } else {
+    setmaxnreg_inc<kConsumerRegs>();
+    // Consumers read only what the producer's TMA loads (ordered by the mbarriers) and w_scale
+    // (not written by the quantiser); their output stores follow the producer's wait.
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+    consumer<kSwap, BT, kF32Out, kMc>(g, smem, full0, empty0, units, threadIdx.x / 128 - 1, cluster, clusters, rank);
+  }
+  // No CTA leaves while its peer may still arrive on its barriers (every multicast into this CTA
+  // was consumed here already: its consumers waited for the stages).
+  if constexpr (kMc > 1) cluster_sync();
+}
+
+// ---------------------------------------------------------------- host: tensor maps
+// cuTensorMapEncodeTiled through the runtime's driver entry point (no -lcuda link); NULL if the
+// driver has none.
+static inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static const PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess)
+      p = nullptr;
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p);
+  }();
+  return fn;
+}
+
+// Row-major [outer, inner] tensor of `elem_bytes` elements, rows `row_bytes` apart (a multiple of
+// 16), boxes of [box_outer, box_inner]; out-of-bounds elements read as zero.
+static inline int encode_tensor_map_2d(CUtensorMap* map, const void* base, CUtensorMapDataType type, int elem_bytes,
+                                       uint64_t inner, uint64_t outer, uint64_t row_bytes, uint32_t box_inner,
+                                       uint32_t box_outer, CUtensorMapSwizzle swizzle, const char* what) {
+  const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
+  DSA_CHECK_SUPPORTED(encode != nullptr,
+                      "fp8_block_linear: the CUDA driver has no cuTensorMapEncodeTiled (TMA needs driver >= 12.0)");
+  (void)elem_bytes;
+  const cuuint64_t dims[2] = {inner, outer};
+  const cuuint64_t strides[1] = {row_bytes};
+  const cuuint32_t box[2] = {box_inner, box_outer};
+  const cuuint32_t elem_strides[2] = {1, 1};
+  const CUresult r = encode(map, type, 2, const_cast<void*>(base), dims, strides, box, elem_strides,
+                            CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  DSA_CHECK_SUPPORTED(r == CUDA_SUCCESS,
+                      "fp8_block_linear: cuTensorMapEncodeTiled(%s: %llu x %llu, row %llu bytes, box %u x %u) failed "
+                      "(CUresult %d)",
+                      what, (unsigned long long)outer, (unsigned long long)inner, (unsigned long long)row_bytes,
+                      box_outer, box_inner, (int)r);
+  return DSA_OK;
+}
+
+}  // namespace dsa_fp8_ws

@@ -1,0 +1,68 @@
+"""The fp8 block linear's plan (plugins/csrc/fp8_linear.cu) through the kernel library's host
+functions, on any machine (no GPU: dsa_fp8_block_linear_path and _workspace_size are host code):
+which GEMM each T gets, that DSA_FP8_LINEAR_PATH forces it, and that the workspace a TensorRT
+profile sizes for its largest T holds every smaller T's plan (it grows with T)."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BLOCK = 128
+REAL_LINEAR_SHAPES = [(1536, 7168), (24576, 1536), (576, 7168), (32768, 512), (7168, 16384), (8192, 1536),
+                      (36864, 7168), (7168, 18432)]
+
+
+@pytest.fixture(scope="module")
+def lib() -> ctypes.CDLL:
+    path = Path(os.environ.get("DSA_KERNEL_LIB") or ROOT / "build" / "libdsa_kernels.so")
+    if not path.exists():
+        pytest.skip(f"{path} not built (make kernels)")
+    d = ctypes.CDLL(str(path))
+    d.dsa_fp8_block_linear_path.restype = ctypes.c_char_p
+    d.dsa_fp8_block_linear_path.argtypes = [ctypes.c_int64, ctypes.c_int, ctypes.c_int]
+    d.dsa_fp8_block_linear_workspace_size.restype = ctypes.c_size_t
+    d.dsa_fp8_block_linear_workspace_size.argtypes = [ctypes.c_int64, ctypes.c_int, ctypes.c_int]
+    return d
+
+
+def path_of(lib, t: int, n: int, k: int) -> str:
+    return lib.dsa_fp8_block_linear_path(t, n, k).decode()
+
+
+def test_auto_paths(lib, monkeypatch):
+    monkeypatch.delenv("DSA_FP8_LINEAR_PATH", raising=False)
+    assert path_of(lib, 1, 24576, 1536).startswith("tma-swap 128x8 ")
+    assert path_of(lib, 16, 24576, 1536).startswith("tma-swap 128x16 ")
+    assert path_of(lib, 64, 24576, 1536).startswith("tma-swap 128x64 ")
+    assert path_of(lib, 65, 24576, 1536) == "tma 128x128 split 1"  # one token tile: no CTA pairs
+    assert path_of(lib, 4096, 36864, 7168) == "tma 128x128 x2 split 1"
+    assert not path_of(lib, 1, 576, 7168).endswith(" split 1")  # 5 weight tiles: K is split
+
+
+@pytest.mark.parametrize("knob,prefix", [("tma", "tma 128x128 "), ("tma-nomc", "tma-nomc 128x128 split"),
+                                         ("tma-swap", "tma-swap 128x64 "), ("legacy", "legacy 128x128 "),
+                                         ("auto", "tma 128x128 x2 ")])
+def test_forced_paths(lib, monkeypatch, knob, prefix):
+    monkeypatch.setenv("DSA_FP8_LINEAR_PATH", knob)
+    assert path_of(lib, 4096, 7168, 16384).startswith(prefix)
+
+
+def test_bad_knob_is_named(lib, monkeypatch):
+    monkeypatch.setenv("DSA_FP8_LINEAR_PATH", "fastest")
+    assert path_of(lib, 1, 576, 7168) == "invalid DSA_FP8_LINEAR_PATH"
+
+
+@pytest.mark.parametrize("n,k", REAL_LINEAR_SHAPES + [(576, 208), (300, 384), (64, 1008)])
+def test_workspace_grows_with_tokens(lib, n, k):
+    nkb = -(-k // BLOCK)
+    prev = 0
+    for t in list(range(0, 300)) + [511, 512, 513, 2048, 4095, 4096, 8192, 16384]:
+        size = lib.dsa_fp8_block_linear_workspace_size(t, n, k)
+        assert size >= prev, f"N={n} K={k}: workspace({t}) = {size} < workspace of fewer tokens {prev}"
+        assert size >= t * nkb * BLOCK + t * nkb * 4, f"N={n} K={k} T={t}: no room for the quantised x"
+        prev = size
