@@ -93,8 +93,10 @@ def random_network(cfg: ModelConfig, device: str) -> DSAForCausalLM:
     gen = torch.Generator(device=device).manual_seed(0)
     state = {}
     for name, p in net.state_dict().items():
-        if p.dtype == torch.float8_e4m3fn:  # values ~N(0, 64) in e4m3, scale 0.02 / 64: std ~0.02
-            t = (torch.randn(p.shape, generator=gen, device=device) * 64).clamp_(-448, 448).to(torch.float8_e4m3fn)
+        if p.dtype == torch.float8_e4m3fn:  # values ~N(0, 64) in e4m3, scale 2^-12: std ~0.016
+            t = torch.empty(p.shape, dtype=p.dtype, device=device)
+            for part in (t if t.dim() == 3 else [t]):  # one expert at a time: no 30 GB fp32 temporary
+                part.copy_((torch.randn(part.shape, generator=gen, device=device) * 64).clamp_(-448, 448))
         elif name.endswith(("scale_inv", "_scale")):
             t = torch.full(p.shape, 2.0 ** -12, device=device)  # power of two, ~0.02 / 64 (ue8m0 scales)
         elif name.endswith("layernorm.weight") or name.endswith("norm.weight") or name.endswith("k_norm.weight"):
@@ -180,7 +182,7 @@ def regions(net: DSAForCausalLM, clock: RegionClock, touched: list):
             def select(x, _orig=orig):
                 clock.push(category="MoE")
                 idx, w = _orig(x)
-                touched.append(idx.unique().numel())
+                touched.append(idx)  # counted after the forward: unique() here would sync the stream
                 clock.pop()
                 return idx, w
 
@@ -208,11 +210,12 @@ def regions(net: DSAForCausalLM, clock: RegionClock, touched: list):
                 del m.select
 
 
-def timed_forward(net, step, pools, iters: int) -> tuple[dict, float, dict]:
+def timed_forward(net, step, pools, iters: int, warmup: int = 1) -> tuple[dict, float, float]:
     """-> (per layer kind and category: median µs, median routed experts touched per MoE layer, whole forward µs)."""
     runs, touched, walls = [], [], []
     with torch.no_grad():
-        net(*step.as_tuple(), *pools)  # warm-up (kernel attributes, allocator)
+        for _ in range(warmup):  # kernel attributes, allocator
+            net(*step.as_tuple(), *pools)
         for _ in range(iters):
             clock = RegionClock(step.input_ids.device)
             got = []
@@ -223,7 +226,7 @@ def timed_forward(net, step, pools, iters: int) -> tuple[dict, float, dict]:
             totals = clock.totals_us()
             runs.append(totals)
             walls.append(sum(totals.values()))
-            touched.extend(got)
+            touched.extend(idx.unique().numel() for idx in got)
     dense = [i for i, layer in enumerate(net.model.layers) if layer.dense_mlp]
     moe = [i for i, layer in enumerate(net.model.layers) if not layer.dense_mlp]
     out = {}
@@ -235,7 +238,8 @@ def timed_forward(net, step, pools, iters: int) -> tuple[dict, float, dict]:
 
 
 # ------------------------------------------------------------------------------------------ roofline
-def layer_roofline(net, kind: str, tokens: int, seqs: list[tuple[int, int]], experts_touched: float) -> tuple[float, float, float]:
+def layer_roofline(net, kind: str, tokens: int, seqs: list[tuple[int, int]],
+                   experts_touched: float) -> tuple[float, float, float]:
     """-> (bytes, fp8 FLOPs, bf16 FLOPs) of one layer of that kind. seqs: (query tokens, context) per sequence."""
     cfg = net.cfg
     layer = next(la for la in net.model.layers if la.dense_mlp == (kind == "dense"))
@@ -265,6 +269,10 @@ def layer_roofline(net, kind: str, tokens: int, seqs: list[tuple[int, int]], exp
     return weight_bytes + cache, fp8, bf16
 
 
+def tokens_label(n: int) -> str:
+    return f"{n // 1024}K" if n >= 1024 and n % 1024 == 0 else str(n)
+
+
 def roofline_us(bytes_, fp8, bf16) -> float:
     return max(bytes_ / HBM_BPS, fp8 / FP8_FLOPS + bf16 / BF16_FLOPS) * 1e6
 
@@ -282,7 +290,7 @@ def prefill_step(cfg, tokens: int, num_pages: int, rng: random.Random, device) -
     return StepInputs.build([([rng.randrange(2, cfg.vocab_size) for _ in range(tokens)], 0, pages)], device=device)
 
 
-def run_shape(net, label, build, pages_needed, seqs, tokens, iters, device, rows, skipped):
+def run_shape(net, label, build, pages_needed, seqs, tokens, iters, device, rows, skipped, warmup=1):
     cfg = net.cfg
     pools = None
     try:
@@ -290,9 +298,12 @@ def run_shape(net, label, build, pages_needed, seqs, tokens, iters, device, rows
         for p in pools[0] + pools[1]:
             p.random_(0, 120)  # finite e4m3 bytes: synthetic context
         step = build(pages_needed + 2)
-        per_kind, touched, wall = timed_forward(net, step, pools, iters)
+        per_kind, touched, wall = timed_forward(net, step, pools, iters, warmup)
     except torch.OutOfMemoryError as e:
-        skipped.append(f"{label}: does not fit ({str(e).splitlines()[0][:120]})")
+        skipped.append((label, "OOM", str(e).splitlines()[0][:120]))
+        return None
+    except RuntimeError as e:  # e.g. a kernel refusing a shape: the other shapes still run
+        skipped.append((label, "UNSUPPORTED", f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"))
         return None
     finally:
         del pools
@@ -315,6 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--contexts", type=int, nargs="+", default=[4096, 32768, 131072])
     ap.add_argument("--prefill", type=int, nargs="+", default=[4096, 16384, 65536])
     ap.add_argument("--iters", type=int, default=5, help="timed forwards per shape (median)")
+    ap.add_argument("--warmup", type=int, default=1, help="untimed forwards per shape first (default 1)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--quick", action="store_true", help="3 timed forwards per shape")
     a = ap.parse_args(argv)
@@ -329,33 +341,34 @@ def main(argv: list[str] | None = None) -> int:
         random_network(real_config(a.layers, a.experts, a.vocab_size), a.device)
     cfg = net.cfg
     print(f"network: {cfg.num_hidden_layers} layers ({sum(la.dense_mlp for la in net.model.layers)} dense), "
-          f"{cfg.n_routed_experts} experts, hidden {cfg.hidden_size}, {'checkpoint ' + a.checkpoint if a.checkpoint else 'random weights'}, "
+          f"{cfg.n_routed_experts} experts, hidden {cfg.hidden_size}, "
+          f"{'checkpoint ' + a.checkpoint if a.checkpoint else 'random weights'}, "
           f"{a.device}; built in {time.perf_counter() - t0:.1f} s", flush=True)
     rng = random.Random(0)
     rows, skipped, decode = [], [], {}
     for ctx in a.contexts:
         for b in a.batches:
             ppd = -(-(ctx + 1) // 64)
-            got = run_shape(net, f"decode B={b} ctx={ctx // 1024}K", lambda n, b=b, ctx=ctx: decode_step(cfg, b, ctx, n, rng, device),
-                            b * ppd, [(1, ctx)] * b, b, iters, device, rows, skipped)
+            got = run_shape(net, f"decode B={b} ctx={tokens_label(ctx)}",
+                            lambda n, b=b, ctx=ctx: decode_step(cfg, b, ctx, n, rng, device), b * ppd, [(1, ctx)] * b, b, iters, device, rows, skipped, a.warmup)
             if got:
                 decode[(b, ctx)] = got
     for s in a.prefill:
-        run_shape(net, f"prefill {s // 1024}K tokens" if s >= 1024 else f"prefill {s} tokens",
+        run_shape(net, f"prefill {tokens_label(s)} tokens",
                   lambda n, s=s: prefill_step(cfg, s, n, rng, device), -(-s // 64), [(s, s)], s, iters, device, rows,
-                  skipped)
+                  skipped, a.warmup)
 
     print(f"\nper layer, µs (median of {iters} eager forwards; roofline = max(bytes / 4.2 TB/s, FLOPs at 1377 fp8 / "
           "758 bf16 TFLOP/s))")
     print("| shape | layer | " + " | ".join(CATEGORIES) + " | layer total | roofline | total / roofline | "
-          "MB touched | GFLOP | experts touched |")
-    print("|---|---|" + "---:|" * (len(CATEGORIES) + 6))
+          "MB touched | GFLOP | TB/s | TFLOP/s | experts touched |")
+    print("|---|---|" + "---:|" * (len(CATEGORIES) + 8))
     for label, kind, cats, total, roof, b, fl, touched in rows:
         print(f"| {label} | {kind} | " + " | ".join(f"{cats[c]:.1f}" for c in CATEGORIES) +
               f" | {total:.1f} | {roof:.1f} | {total / roof:.2f} | {b / 1e6:,.1f} | {fl / 1e9:,.1f} | "
-              f"{touched if kind == 'MoE' else '—'} |")
-    for s in skipped:
-        print(f"skipped: {s}")
+              f"{b / total / 1e6:.2f} | {fl / total / 1e6:.1f} | {touched if kind == 'MoE' else '—'} |")
+    for label, what, why in skipped:  # the sweep went on without it
+        print(f"| {label} | — | {what} |" + " |" * (len(CATEGORIES) + 7) + f" ({why})")
     model_8gpu(decode, cfg)
     return 0
 
@@ -367,8 +380,9 @@ def model_8gpu(decode: dict, cfg: ModelConfig) -> None:
           "450 GB/s, not overlapped")
     print("| context | batch (whole node) | step ms | of it comms ms | output tok/s per GPU | per user tok/s |")
     print("|---|---:|---:|---:|---:|---:|")
+    wanted = {4096, 32768} & {ctx for _, ctx in decode} or {ctx for _, ctx in decode}  # else what was measured
     for (b, ctx), (per_kind, _) in sorted(decode.items(), key=lambda kv: (kv[0][1], kv[0][0])):
-        if ctx not in (4096, 32768) or "MoE" not in per_kind:
+        if ctx not in wanted or "MoE" not in per_kind:
             continue
         layer_us = {}
         for kind, cats in per_kind.items():
@@ -379,7 +393,7 @@ def model_8gpu(decode: dict, cfg: ModelConfig) -> None:
             (WORLD - 1) / WORLD / NVLINK_BPS * 1e6
         dense_us = layer_us.get("dense", layer_us["MoE"])
         step = FULL_DENSE * (dense_us + comm) + (FULL_LAYERS - FULL_DENSE) * (layer_us["MoE"] + comm)
-        print(f"| {ctx // 1024}K | {b} | {step / 1e3:.2f} | {FULL_LAYERS * comm / 1e3:.2f} | "
+        print(f"| {tokens_label(ctx)} | {b} | {step / 1e3:.2f} | {FULL_LAYERS * comm / 1e3:.2f} | "
               f"{b / (step / 1e6) / WORLD:,.0f} | {1e6 / step:.1f} |")
     print(PEERS)
     print("caveat: the linears and the rest are taken undivided at the single-GPU shapes; the measured layers ran "

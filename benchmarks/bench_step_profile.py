@@ -122,12 +122,13 @@ def profiled_step(llm: LLM) -> dict:
         end = t1 if closer == STEP else spans["bench:update"][0] if closer is None else spans[closer][1]
         bounds.append((label, start, max(start, end)))
         start = max(start, end)
+    corr = lambda e: getattr(e, "correlation_id", lambda: 0)()  # noqa: E731 - absent in some torch builds
     launch_phase = {}  # correlation id -> the bench: range its runtime launch call ran in
     for e in events:
-        if e.device_type() == DeviceType.CPU and e.name().startswith(("cuda", "cu")) and e.correlation_id():
+        if e.device_type() == DeviceType.CPU and e.name().startswith(("cuda", "cu")) and corr(e):
             inside = [n for n, (s, f) in spans.items() if n != STEP and s <= e.start_ns() <= f]
-            launch_phase[e.correlation_id()] = inside[0] if inside else None
-    gpu = sorted((max(e.start_ns(), t0), min(e.end_ns(), t1), e.name(), e.correlation_id()) for e in events
+            launch_phase[corr(e)] = inside[0] if inside else None
+    gpu = sorted((max(e.start_ns(), t0), min(e.end_ns(), t1), e.name(), corr(e)) for e in events
                  if e.device_type() == DeviceType.CUDA and e.end_ns() > t0 and e.start_ns() < t1)
     busy = {g: 0.0 for g in GROUPS}
     intervals, cursor = [], t0
