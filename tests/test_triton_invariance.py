@@ -82,7 +82,7 @@ def alone(engine_dir):
 
 
 @pytest.fixture(scope="module")
-def server(engine_dir, alone, tmp_path_factory):
+def server(engine_dir, tmp_path_factory):
     work = tmp_path_factory.mktemp("triton-invariance")
     repo = write_model_repository(engine_dir, work / "model_repository", MODEL, num_pages=NUM_PAGES)
     srv = TritonServer(repo.path, *free_ports(3), extra_args=["--exit-timeout-secs=5"])
@@ -99,7 +99,7 @@ def server(engine_dir, alone, tmp_path_factory):
             os.environ["OMP_NUM_THREADS"] = old
 
 
-def test_concurrent_streams_equal_each_request_alone(server, alone, engine_dir):
+def test_concurrent_streams_equal_each_request_alone(alone, server, engine_dir):  # the oracle first: no CPU race
     s = Streams(server.grpc_url, NUM_STREAMS)
     try:
         for i in range(NUM_REQUESTS):
