@@ -290,7 +290,13 @@ def prefill_step(cfg, tokens: int, num_pages: int, rng: random.Random, device) -
     return StepInputs.build([([rng.randrange(2, cfg.vocab_size) for _ in range(tokens)], 0, pages)], device=device)
 
 
-def run_shape(net, label, build, pages_needed, seqs, tokens, iters, device, rows, skipped, warmup=1):
+def print_row(label, kind, cats, total, roof, b, fl, touched) -> None:
+    print(f"| {label} | {kind} | " + " | ".join(f"{cats[c]:.1f}" for c in CATEGORIES) +
+          f" | {total:.1f} | {roof:.1f} | {total / roof:.2f} | {b / 1e6:,.1f} | {fl / 1e9:,.1f} | "
+          f"{b / total / 1e6:.2f} | {fl / total / 1e6:.1f} | {touched if kind == 'MoE' else '—'} |", flush=True)
+
+
+def run_shape(net, label, build, pages_needed, seqs, tokens, iters, device, warmup=1):
     cfg = net.cfg
     pools = None
     try:
@@ -300,10 +306,12 @@ def run_shape(net, label, build, pages_needed, seqs, tokens, iters, device, rows
         step = build(pages_needed + 2)
         per_kind, touched, wall = timed_forward(net, step, pools, iters, warmup)
     except torch.OutOfMemoryError as e:
-        skipped.append((label, "OOM", str(e).splitlines()[0][:120]))
+        print(f"| {label} | — | OOM |" + " |" * (len(CATEGORIES) + 7) + f" ({str(e).splitlines()[0][:120]})",
+              flush=True)
         return None
     except RuntimeError as e:  # e.g. a kernel refusing a shape: the other shapes still run
-        skipped.append((label, "UNSUPPORTED", f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"))
+        print(f"| {label} | — | UNSUPPORTED |" + " |" * (len(CATEGORIES) + 7) +
+              f" ({type(e).__name__}: {str(e).splitlines()[0][:160]})", flush=True)
         return None
     finally:
         del pools
@@ -311,7 +319,7 @@ def run_shape(net, label, build, pages_needed, seqs, tokens, iters, device, rows
             torch.cuda.empty_cache()
     for kind, cats in per_kind.items():
         b, f8, bf = layer_roofline(net, kind, tokens, seqs, touched)
-        rows.append((label, kind, cats, sum(cats.values()), roofline_us(b, f8, bf), b, f8 + bf, touched))
+        print_row(label, kind, cats, sum(cats.values()), roofline_us(b, f8, bf), b, f8 + bf, touched)
     print(f"  {label}: forward {wall:.0f} µs", file=sys.stderr, flush=True)
     return per_kind, touched
 
@@ -345,30 +353,23 @@ def main(argv: list[str] | None = None) -> int:
           f"{'checkpoint ' + a.checkpoint if a.checkpoint else 'random weights'}, "
           f"{a.device}; built in {time.perf_counter() - t0:.1f} s", flush=True)
     rng = random.Random(0)
-    rows, skipped, decode = [], [], {}
+    print(f"\nper layer, µs (median of {iters} eager forwards; roofline = max(bytes / 4.2 TB/s, FLOPs at 1377 fp8 / "
+          "758 bf16 TFLOP/s)); OOM / UNSUPPORTED rows: the shape did not fit or a kernel refused it, the sweep went on")
+    print("| shape | layer | " + " | ".join(CATEGORIES) + " | layer total | roofline | total / roofline | "
+          "MB touched | GFLOP | TB/s | TFLOP/s | experts touched |")
+    print("|---|---|" + "---:|" * (len(CATEGORIES) + 8), flush=True)
+    decode = {}
     for ctx in a.contexts:
         for b in a.batches:
             ppd = -(-(ctx + 1) // 64)
             got = run_shape(net, f"decode B={b} ctx={tokens_label(ctx)}",
-                            lambda n, b=b, ctx=ctx: decode_step(cfg, b, ctx, n, rng, device), b * ppd, [(1, ctx)] * b, b, iters, device, rows, skipped, a.warmup)
+                            lambda n, b=b, ctx=ctx: decode_step(cfg, b, ctx, n, rng, device), b * ppd,
+                            [(1, ctx)] * b, b, iters, device, a.warmup)
             if got:
                 decode[(b, ctx)] = got
     for s in a.prefill:
-        run_shape(net, f"prefill {tokens_label(s)} tokens",
-                  lambda n, s=s: prefill_step(cfg, s, n, rng, device), -(-s // 64), [(s, s)], s, iters, device, rows,
-                  skipped, a.warmup)
-
-    print(f"\nper layer, µs (median of {iters} eager forwards; roofline = max(bytes / 4.2 TB/s, FLOPs at 1377 fp8 / "
-          "758 bf16 TFLOP/s))")
-    print("| shape | layer | " + " | ".join(CATEGORIES) + " | layer total | roofline | total / roofline | "
-          "MB touched | GFLOP | TB/s | TFLOP/s | experts touched |")
-    print("|---|---|" + "---:|" * (len(CATEGORIES) + 8))
-    for label, kind, cats, total, roof, b, fl, touched in rows:
-        print(f"| {label} | {kind} | " + " | ".join(f"{cats[c]:.1f}" for c in CATEGORIES) +
-              f" | {total:.1f} | {roof:.1f} | {total / roof:.2f} | {b / 1e6:,.1f} | {fl / 1e9:,.1f} | "
-              f"{b / total / 1e6:.2f} | {fl / total / 1e6:.1f} | {touched if kind == 'MoE' else '—'} |")
-    for label, what, why in skipped:  # the sweep went on without it
-        print(f"| {label} | — | {what} |" + " |" * (len(CATEGORIES) + 7) + f" ({why})")
+        run_shape(net, f"prefill {tokens_label(s)} tokens", lambda n, s=s: prefill_step(cfg, s, n, rng, device),
+                  -(-s // 64), [(s, s)], s, iters, device, a.warmup)
     model_8gpu(decode, cfg)
     return 0
 

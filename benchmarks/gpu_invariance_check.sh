@@ -29,20 +29,20 @@ if has engine && [[ ! -f $ENGINE/engine_config.json ]]; then
   stamp "engine built"
 fi
 if has test; then
-  DSA_TEST_GPU_ENGINE=$ENGINE timeout 150 python3 -m pytest -q -ra -s -p no:cacheprovider tests/test_gpu_invariance.py \
+  DSA_TEST_GPU_ENGINE=$ENGINE timeout 120 python3 -m pytest -q -ra -s -p no:cacheprovider tests/test_gpu_invariance.py \
     > "$LOG/test_gpu_invariance.log" 2>&1
   stamp "test_gpu_invariance: rc=$? $(tail -1 "$LOG/test_gpu_invariance.log")"; grep '^\[gpu-invariance\]' "$LOG/test_gpu_invariance.log"
 fi
 if has det; then
-  timeout 90 python3 benchmarks/bench_deterministic.py "$ENGINE" --quick > "$LOG/bench_deterministic.log" 2>&1
+  timeout 75 python3 benchmarks/bench_deterministic.py "$ENGINE" --quick > "$LOG/bench_deterministic.log" 2>&1
   stamp "bench_deterministic: rc=$?"; grep -E '^(\||engine)' "$LOG/bench_deterministic.log"
 fi
 if has profile; then
-  timeout 120 python3 benchmarks/bench_step_profile.py "$ENGINE" --quick > "$LOG/bench_step_profile.log" 2>&1
+  timeout 90 python3 benchmarks/bench_step_profile.py "$ENGINE" --quick > "$LOG/bench_step_profile.log" 2>&1
   stamp "bench_step_profile: rc=$?"; grep -E '^(\||engine|host)' "$LOG/bench_step_profile.log"
 fi
 if has realdims; then
   # shellcheck disable=SC2086
-  timeout 270 python3 benchmarks/bench_realdims.py ${REALDIMS_ARGS:---quick} > "$LOG/bench_realdims.log" 2>&1
+  timeout 240 python3 benchmarks/bench_realdims.py ${REALDIMS_ARGS:---quick} > "$LOG/bench_realdims.log" 2>&1
   stamp "bench_realdims: rc=$?"; grep -vE '^  ' "$LOG/bench_realdims.log" | tail -40
 fi
