@@ -1,0 +1,405 @@
+"""Per-layer time of a real-dims V3.2 slice against its roofline, and a modelled 8xH200 decode (issue 25 item 7).
+
+    python benchmarks/bench_realdims.py [--checkpoint DIR] [--layers 4] [--experts 256] [--quick]
+
+The network: DSAForCausalLM with V3.2's real per-layer dims (export/real_dims.py), bf16 activations,
+fp8 caches, every e4m3 Linear kept W8A8 (fp8_linears) and the routed experts as one
+dsa::moe_experts call (expert_op). ``--checkpoint`` loads a generated real-dims checkpoint with
+build_network (``python -m dsa_trt.export.tiny_checkpoint OUT --preset v32-real-dims --layers 4
+--experts 256``); without it the same modules get random weights on the device (e4m3 values with
+power-of-two block scales, std ~0.02 like the generator), which skips writing ~37 GB to disk: the
+timings depend on shapes, not on weight values (the router's random weights spread the tokens
+over the experts about evenly, as the generator's do). The caches are filled with random finite
+e4m3 bytes (synthetic context), pages scattered.
+
+Timing: eager forwards, the stream cut at every region boundary (CUDA events; on the CPU the
+wall clock after each synchronous op): DSA attention, in two columns = indexer_k_cache_write +
+indexer_logits + topk_translate | mla_cache_write + sparse_mla; linears = every Fp8Linear / nn.Linear call (the
+shared expert's too); MoE = router + dsa::moe_experts; rest = everything else in the layer
+(norms, RoPE, Hadamard, the absorbed einsums, quantisation, residuals) and the launch gaps of the
+eager stream. Median of the timed forwards, per layer kind (layer 0 dense; the MoE layers averaged).
+
+Roofline per layer: max(bytes / 4.2 TB/s, fp8 FLOPs / 1377 TFLOP/s + bf16 FLOPs / 758 TFLOP/s),
+bytes = weights touched (every weight of the layer but the routed experts, plus the routed
+experts the router picked in that forward) + cache bytes read (decode: each sequence's indexer
+keys, 132 B x context, and its top-k MLA rows, 576 B x min(context, 2048); prefill: each pool row
+once); FLOPs = linears 2 x tokens x weights (fp8; the routed ones x top-k), indexer logits 2 x 64
+heads x 128 x keys per query (fp8), sparse MLA 2 x 128 heads x (576 + 512) x selected keys and the
+absorbed einsums (bf16).
+
+The model of the 61-layer V3.2 on 8 H200s (the plan that fits, TP8 attention + EP8 experts, README
+"Fitting a model"): per GPU and layer, at the whole node's batch B, the single-GPU layer measured
+here at B with the sparse MLA (heads split 8 ways) and the routed MoE (1/8 of the pairs on each
+GPU) divided by 8; the indexer (replicated), the linears and the rest undivided (conservative:
+q_b / o_proj / kv_b are head-split under TP8); plus the EP dispatch and combine of every routed
+(token, expert) pair, 2 x B x 8 x 7168 x 2 B (bf16), and the TP all-reduce of the attention
+output, 2 x B x 7168 x 2 B, 7/8 of each leaving the GPU over NVLink at 450 GB/s, not overlapped
+with compute. Step = 3 dense + 58 MoE such layers; output tok/s per GPU = B / step / 8.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from dsa_trt.config import ModelConfig
+from dsa_trt.export.layers import Fp8Linear, Router, StackedExperts, hadamard_matrix
+from dsa_trt.export.network import DSAForCausalLM
+from dsa_trt.plugins.pools import allocate_pools
+from dsa_trt.step import StepInputs
+
+REAL_CONFIG = Path(__file__).resolve().parent.parent / "tests" / "data" / "deepseek_v32_config.json"
+HBM_BPS = 4.2e12
+FP8_FLOPS, BF16_FLOPS = 1377e12, 758e12
+NVLINK_BPS = 450e9
+INDEXER_OPS = ("indexer_k_cache_write", "indexer_logits", "topk_translate")
+MLA_OPS = ("mla_cache_write", "sparse_mla")
+CATEGORIES = ("DSA indexer + top-k", "DSA sparse MLA", "linears", "MoE", "rest")
+FULL_LAYERS, FULL_DENSE, WORLD = 61, 3, 8
+PEERS = ("peers, 8xH200 (research/realsize_anchors.md §1): best published V3.2 ~300 output tok/s per GPU "
+         "(vLLM TP8 2,075 output tok/s / 8 = 259 at 1K/2K, 100 in flight); R1 stacks ~1,436 per GPU (TRT-LLM, "
+         "attention-DP + EP8)")
+
+
+# ------------------------------------------------------------------------------------------ network
+def real_config(layers: int, experts: int, vocab: int) -> ModelConfig:
+    """V3.2's config.json (tests/data, spec/MODEL.md §1.1) with the preset's overrides: the layer
+    count (layer 0 dense), the expert count and its router groups, the vocabulary. Read from the
+    file rather than through transformers, whose version on a GPU machine may predate V3.2."""
+    from dsa_trt.export.real_dims import router_groups
+
+    d = json.loads(REAL_CONFIG.read_text())
+    top_k = min(d["num_experts_per_tok"], experts)
+    n_group, topk_group = router_groups(experts, top_k)
+    d.update(num_hidden_layers=layers, first_k_dense_replace=min(1, layers), n_routed_experts=experts,
+             num_experts_per_tok=top_k, n_group=n_group, topk_group=topk_group, vocab_size=vocab,
+             num_nextn_predict_layers=0)
+    return ModelConfig.from_hf_dict(d)
+
+
+def random_network(cfg: ModelConfig, device: str) -> DSAForCausalLM:
+    """The real-dims network with random weights made on the device (see the module docstring)."""
+    with torch.device("meta"):
+        net = DSAForCausalLM(cfg, cache_mode="fp8", dtype=torch.bfloat16, expert_op=True, fp8_linears=True)
+    gen = torch.Generator(device=device).manual_seed(0)
+    state = {}
+    for name, p in net.state_dict().items():
+        if p.dtype == torch.float8_e4m3fn:  # values ~N(0, 64) in e4m3, scale 2^-12: std ~0.016
+            t = torch.empty(p.shape, dtype=p.dtype, device=device)
+            for part in (t if t.dim() == 3 else [t]):  # one expert at a time: no 30 GB fp32 temporary
+                part.copy_((torch.randn(part.shape, generator=gen, device=device) * 64).clamp_(-448, 448))
+        elif name.endswith(("scale_inv", "_scale")):
+            t = torch.full(p.shape, 2.0 ** -12, device=device)  # power of two, ~0.02 / 64 (ue8m0 scales)
+        elif name.endswith("layernorm.weight") or name.endswith("norm.weight") or name.endswith("k_norm.weight"):
+            t = torch.ones(p.shape, dtype=p.dtype, device=device)
+        elif name.endswith("bias"):
+            t = torch.zeros(p.shape, dtype=p.dtype, device=device)
+        else:
+            t = (torch.randn(p.shape, generator=gen, device=device) * 0.02).to(p.dtype)
+        state[name] = t
+    net.load_state_dict(state, strict=True, assign=True)
+    net.inv_freq = cfg.rope_inv_freq().to(device)
+    for layer in net.model.layers:
+        layer.self_attn.indexer.hadamard = hadamard_matrix(cfg.index_head_dim).to(device)
+    return net.eval()
+
+
+def checkpoint_network(path: str, device: str) -> DSAForCausalLM:
+    from dsa_trt.export.checkpoint import Checkpoint
+    from dsa_trt.export.program import build_network
+
+    return build_network(Checkpoint(path), "fp8", torch.bfloat16, device=device, expert_op=True, fp8_linears=True)
+
+
+# ------------------------------------------------------------------------------------------ timing
+class RegionClock:
+    """Cuts the stream at every region boundary; the time between two cuts goes to the region
+    open in between. CUDA: events (read after a synchronise); CPU: wall clock (ops are synchronous)."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.marks: list = []  # (event or time, (layer, category) open from here on)
+        self.stack: list[tuple[int | None, str]] = [(None, "outside")]
+        self.layer: int | None = None
+
+    def _mark(self) -> None:
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+        else:
+            e = time.perf_counter()
+        self.marks.append((e, self.stack[-1]))
+
+    def push(self, category: str | None = None, layer: int | None = None) -> None:
+        if layer is not None:
+            self.layer = layer
+        self.stack.append((self.layer, category or self.stack[-1][1] if layer is None else "rest"))
+        self._mark()
+
+    def pop(self, end_layer: bool = False) -> None:
+        self.stack.pop()
+        if end_layer:
+            self.layer = None
+        self._mark()
+
+    def totals_us(self) -> dict[tuple[int | None, str], float]:
+        if self.cuda:
+            torch.cuda.synchronize()
+        out: dict = defaultdict(float)
+        for (a, where), (b, _) in zip(self.marks, self.marks[1:]):
+            out[where] += (a.elapsed_time(b) * 1e3) if self.cuda else (b - a) * 1e6
+        return out
+
+
+@contextmanager
+def regions(net: DSAForCausalLM, clock: RegionClock, touched: list):
+    """Hooks on the layers, the linears, the MoE, and the dsa ops of the DSA path (restored after)."""
+    handles, saved = [], {}
+
+    def scoped(module, **kw):
+        handles.append(module.register_forward_pre_hook(lambda m, a: clock.push(**kw)))
+        handles.append(module.register_forward_hook(lambda m, a, o: clock.pop(end_layer="layer" in kw)))
+
+    for i, layer in enumerate(net.model.layers):
+        scoped(layer, layer=i)
+    for m in net.modules():
+        if isinstance(m, (Fp8Linear, torch.nn.Linear)):
+            scoped(m, category="linears")
+        elif isinstance(m, StackedExperts):
+            scoped(m, category="MoE")
+        elif isinstance(m, Router):
+            orig = m.select
+
+            def select(x, _orig=orig):
+                clock.push(category="MoE")
+                idx, w = _orig(x)
+                touched.append(idx)  # counted after the forward: unique() here would sync the stream
+                clock.pop()
+                return idx, w
+
+            m.select = select
+    for op in INDEXER_OPS + MLA_OPS:
+        packet = getattr(torch.ops.dsa, op)
+        saved[op] = packet
+
+        def timed(*a, _p=packet, _c=CATEGORIES[0] if op in INDEXER_OPS else CATEGORIES[1], **k):
+            clock.push(category=_c)
+            out = _p(*a, **k)
+            clock.pop()
+            return out
+
+        setattr(torch.ops.dsa, op, timed)
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+        for op, packet in saved.items():
+            setattr(torch.ops.dsa, op, packet)
+        for m in net.modules():
+            if isinstance(m, Router) and "select" in vars(m):
+                del m.select
+
+
+def timed_forward(net, step, pools, iters: int, warmup: int = 1) -> tuple[dict, float, float]:
+    """-> (per layer kind and category: median µs, median routed experts touched per MoE layer, whole forward µs)."""
+    runs, touched, walls = [], [], []
+    with torch.no_grad():
+        for _ in range(warmup):  # kernel attributes, allocator
+            net(*step.as_tuple(), *pools)
+        for _ in range(iters):
+            clock = RegionClock(step.input_ids.device)
+            got = []
+            with regions(net, clock, got):
+                clock.push(category="outside")
+                net(*step.as_tuple(), *pools)
+                clock.pop()
+            totals = clock.totals_us()
+            runs.append(totals)
+            walls.append(sum(totals.values()))
+            touched.extend(idx.unique().numel() for idx in got)
+    dense = [i for i, layer in enumerate(net.model.layers) if layer.dense_mlp]
+    moe = [i for i, layer in enumerate(net.model.layers) if not layer.dense_mlp]
+    out = {}
+    for kind, ids in (("dense", dense), ("MoE", moe)):
+        if ids:
+            out[kind] = {c: statistics.median(sum(r.get((i, c), 0.0) for i in ids) / len(ids) for r in runs)
+                         for c in CATEGORIES}
+    return out, statistics.median(touched) if touched else 0, statistics.median(walls)
+
+
+# ------------------------------------------------------------------------------------------ roofline
+def layer_roofline(net, kind: str, tokens: int, seqs: list[tuple[int, int]],
+                   experts_touched: float) -> tuple[float, float, float]:
+    """-> (bytes, fp8 FLOPs, bf16 FLOPs) of one layer of that kind. seqs: (query tokens, context) per sequence."""
+    cfg = net.cfg
+    layer = next(la for la in net.model.layers if la.dense_mlp == (kind == "dense"))
+    weight_bytes, fp8_w, routed_bytes, routed_w = 0, 0, 0, 0
+    for name, t in list(layer.named_parameters()) + list(layer.named_buffers()):
+        if t.device.type == "meta" or name.endswith("hadamard"):
+            continue
+        nbytes = t.numel() * t.element_size()
+        if ".stacked_experts." in name:
+            routed_bytes += nbytes
+            routed_w += t.numel() if t.dtype == torch.float8_e4m3fn else 0
+        else:
+            weight_bytes += nbytes
+            fp8_w += t.numel() if t.dtype == torch.float8_e4m3fn else 0
+    e = cfg.n_routed_experts
+    weight_bytes += routed_bytes * min(experts_touched, e) / e if kind == "MoE" else 0
+    topk, h = cfg.index_topk, cfg.num_attention_heads
+    cache = sum(ctx * 132 + min(ctx, topk) * 576 if q == 1 else ctx * (132 + 576) for q, ctx in seqs)
+    # keys each query token sees: decode the context; a prefill chunk causal 1..ctx
+    keys = sum(ctx if q == 1 else q * (2 * ctx - q + 1) / 2 for q, ctx in seqs)
+    selected = sum(min(ctx, topk) if q == 1 else sum(min(ctx - q + j + 1, topk) for j in range(q)) for q, ctx in seqs)
+    fp8 = 2 * tokens * fp8_w + 2 * cfg.index_n_heads * cfg.index_head_dim * keys
+    if kind == "MoE":
+        fp8 += 2 * tokens * cfg.num_experts_per_tok * routed_w / e
+    absorbed = 2 * tokens * h * cfg.kv_lora_rank * (cfg.qk_nope_head_dim + cfg.v_head_dim)  # the two einsums
+    bf16 = 2 * h * (576 + 512) * selected + absorbed + 2 * tokens * cfg.hidden_size * cfg.index_n_heads
+    return weight_bytes + cache, fp8, bf16
+
+
+def tokens_label(n: int) -> str:
+    return f"{n // 1024}K" if n >= 1024 and n % 1024 == 0 else str(n)
+
+
+def roofline_us(bytes_, fp8, bf16) -> float:
+    return max(bytes_ / HBM_BPS, fp8 / FP8_FLOPS + bf16 / BF16_FLOPS) * 1e6
+
+
+# ------------------------------------------------------------------------------------------ shapes
+def decode_step(cfg, batch: int, context: int, num_pages: int, rng: random.Random, device) -> StepInputs:
+    ppd = -(-(context + 1) // 64)
+    pages = rng.sample(range(num_pages), batch * ppd)
+    return StepInputs.build([([rng.randrange(2, cfg.vocab_size)], context, pages[i * ppd:(i + 1) * ppd])
+                             for i in range(batch)], device=device)
+
+
+def prefill_step(cfg, tokens: int, num_pages: int, rng: random.Random, device) -> StepInputs:
+    pages = rng.sample(range(num_pages), -(-tokens // 64))
+    return StepInputs.build([([rng.randrange(2, cfg.vocab_size) for _ in range(tokens)], 0, pages)], device=device)
+
+
+def print_row(label, kind, cats, total, roof, b, fl, touched) -> None:
+    print(f"| {label} | {kind} | " + " | ".join(f"{cats[c]:.1f}" for c in CATEGORIES) +
+          f" | {total:.1f} | {roof:.1f} | {total / roof:.2f} | {b / 1e6:,.1f} | {fl / 1e9:,.1f} | "
+          f"{b / total / 1e6:.2f} | {fl / total / 1e6:.1f} | {touched if kind == 'MoE' else '—'} |", flush=True)
+
+
+def run_shape(net, label, build, pages_needed, seqs, tokens, iters, device, warmup=1):
+    cfg = net.cfg
+    pools = None
+    try:
+        pools = allocate_pools(cfg, "fp8", pages_needed + 2, device=device)
+        for p in pools[0] + pools[1]:
+            p.random_(0, 120)  # finite e4m3 bytes: synthetic context
+        step = build(pages_needed + 2)
+        per_kind, touched, wall = timed_forward(net, step, pools, iters, warmup)
+    except torch.OutOfMemoryError as e:
+        print(f"| {label} | — | OOM |" + " |" * (len(CATEGORIES) + 7) + f" ({str(e).splitlines()[0][:120]})",
+              flush=True)
+        return None
+    except RuntimeError as e:  # e.g. a kernel refusing a shape: the other shapes still run
+        print(f"| {label} | — | UNSUPPORTED |" + " |" * (len(CATEGORIES) + 7) +
+              f" ({type(e).__name__}: {str(e).splitlines()[0][:160]})", flush=True)
+        return None
+    finally:
+        del pools
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    for kind, cats in per_kind.items():
+        b, f8, bf = layer_roofline(net, kind, tokens, seqs, touched)
+        print_row(label, kind, cats, sum(cats.values()), roofline_us(b, f8, bf), b, f8 + bf, touched)
+    print(f"  {label}: forward {wall:.0f} µs", file=sys.stderr, flush=True)
+    return per_kind, touched
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--checkpoint", default=None, help="a real-dims checkpoint (default: random weights on the device)")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--experts", type=int, default=256)
+    ap.add_argument("--vocab-size", type=int, default=129280)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 32, 128])
+    ap.add_argument("--contexts", type=int, nargs="+", default=[4096, 32768, 131072])
+    ap.add_argument("--prefill", type=int, nargs="+", default=[4096, 16384, 65536])
+    ap.add_argument("--iters", type=int, default=5, help="timed forwards per shape (median)")
+    ap.add_argument("--warmup", type=int, default=1, help="untimed forwards per shape first (default 1)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--quick", action="store_true", help="3 timed forwards per shape")
+    a = ap.parse_args(argv)
+    iters = 3 if a.quick else a.iters
+    device = torch.device(a.device)
+    if device.type == "cuda":
+        from dsa_trt.plugins import cuda_ops
+
+        cuda_ops.load("cuda")
+    t0 = time.perf_counter()
+    net = checkpoint_network(a.checkpoint, a.device) if a.checkpoint else \
+        random_network(real_config(a.layers, a.experts, a.vocab_size), a.device)
+    cfg = net.cfg
+    print(f"network: {cfg.num_hidden_layers} layers ({sum(la.dense_mlp for la in net.model.layers)} dense), "
+          f"{cfg.n_routed_experts} experts, hidden {cfg.hidden_size}, "
+          f"{'checkpoint ' + a.checkpoint if a.checkpoint else 'random weights'}, "
+          f"{a.device}; built in {time.perf_counter() - t0:.1f} s", flush=True)
+    rng = random.Random(0)
+    print(f"\nper layer, µs (median of {iters} eager forwards; roofline = max(bytes / 4.2 TB/s, FLOPs at 1377 fp8 / "
+          "758 bf16 TFLOP/s)); OOM / UNSUPPORTED rows: the shape did not fit or a kernel refused it, the sweep went on")
+    print("| shape | layer | " + " | ".join(CATEGORIES) + " | layer total | roofline | total / roofline | "
+          "MB touched | GFLOP | TB/s | TFLOP/s | experts touched |")
+    print("|---|---|" + "---:|" * (len(CATEGORIES) + 8), flush=True)
+    decode = {}
+    for ctx in a.contexts:
+        for b in a.batches:
+            ppd = -(-(ctx + 1) // 64)
+            got = run_shape(net, f"decode B={b} ctx={tokens_label(ctx)}",
+                            lambda n, b=b, ctx=ctx: decode_step(cfg, b, ctx, n, rng, device), b * ppd,
+                            [(1, ctx)] * b, b, iters, device, a.warmup)
+            if got:
+                decode[(b, ctx)] = got
+    for s in a.prefill:
+        run_shape(net, f"prefill {tokens_label(s)} tokens", lambda n, s=s: prefill_step(cfg, s, n, rng, device),
+                  -(-s // 64), [(s, s)], s, iters, device, a.warmup)
+    model_8gpu(decode, cfg)
+    return 0
+
+
+def model_8gpu(decode: dict, cfg: ModelConfig) -> None:
+    """The modelled 61-layer decode on 8 H200s (the assumptions are in the module docstring)."""
+    print("\nmodelled V3.2 (61 layers: 3 dense + 58 MoE) decode on 8 H200s, TP8 attention + EP8 (dsa_trt/plan.py's "
+          "fitting plan), from the per-layer numbers above; EP dispatch + combine and TP all-reduce over NVLink at "
+          "450 GB/s, not overlapped")
+    print("| context | batch (whole node) | step ms | of it comms ms | output tok/s per GPU | per user tok/s |")
+    print("|---|---:|---:|---:|---:|---:|")
+    wanted = {4096, 32768} & {ctx for _, ctx in decode} or {ctx for _, ctx in decode}  # else what was measured
+    for (b, ctx), (per_kind, _) in sorted(decode.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        if ctx not in wanted or "MoE" not in per_kind:
+            continue
+        layer_us = {}
+        for kind, cats in per_kind.items():
+            # TP8: each GPU runs every sequence with 1/8 of the heads; EP8: 1/8 of the routed pairs
+            layer_us[kind] = (cats["DSA indexer + top-k"] + cats["DSA sparse MLA"] / WORLD + cats["MoE"] / WORLD
+                              + cats["linears"] + cats["rest"])
+        comm = (2 * b * cfg.num_experts_per_tok * cfg.hidden_size * 2 + 2 * b * cfg.hidden_size * 2) * \
+            (WORLD - 1) / WORLD / NVLINK_BPS * 1e6
+        dense_us = layer_us.get("dense", layer_us["MoE"])
+        step = FULL_DENSE * (dense_us + comm) + (FULL_LAYERS - FULL_DENSE) * (layer_us["MoE"] + comm)
+        print(f"| {tokens_label(ctx)} | {b} | {step / 1e3:.2f} | {FULL_LAYERS * comm / 1e3:.2f} | "
+              f"{b / (step / 1e6) / WORLD:,.0f} | {1e6 / step:.1f} |")
+    print(PEERS)
+    print("caveat: the linears and the rest are taken undivided at the single-GPU shapes; the measured layers ran "
+          "eagerly, so their launch gaps are in 'rest' (a CUDA-graph step would not have them)")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
