@@ -71,7 +71,7 @@ TORCH_SHIM := build/torch-shim/c10/cuda/impl/cuda_cmake_macros.h
 
 torch-ops: $(TORCH_OPS_LIB)
 
-$(TORCH_OPS_LIB): $(TORCH_OPS_SRC) plugins/csrc/dsa_kernels.h plugins/csrc/dsa_moe_kernels.h $(KERNEL_LIB)
+$(TORCH_OPS_LIB): $(TORCH_OPS_SRC) plugins/torch_binding/message.h plugins/csrc/dsa_kernels.h plugins/csrc/dsa_moe_kernels.h $(KERNEL_LIB)
 	$(CXX) $(TORCH_CXXFLAGS) -Wall -Wextra -shared -o $@ $(TORCH_OPS_SRC) -Lbuild -Wl,--no-as-needed -ldsa_kernels \
 		$(TORCH_LDLIBS) -Wl,-rpath,'$$ORIGIN'
 

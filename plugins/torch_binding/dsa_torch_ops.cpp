@@ -32,10 +32,10 @@
 #include <cstdlib>
 #include <limits>
 #include <optional>
-#include <sstream>
 #include <string>
 #include <vector>
 
+#include "message.h"
 #include "../csrc/dsa_kernels.h"
 
 namespace {
@@ -62,13 +62,7 @@ std::string dtype_name(at::ScalarType t) {
   }
 }
 
-std::string dims(at::IntArrayRef d) {
-  std::ostringstream s;
-  s << "(";
-  for (size_t i = 0; i < d.size(); ++i) s << (i ? ", " : "") << d[i];
-  s << (d.size() == 1 ? ",)" : ")");
-  return s.str();
-}
+std::string dims(at::IntArrayRef d) { return dsa_msg::cat(d); }
 
 enum class Layout { kInnerContiguous, kContiguous };
 
@@ -76,29 +70,29 @@ enum class Layout { kInnerContiguous, kContiguous };
 void check_tensor(const char* op, const char* name, const at::Tensor& t, std::initializer_list<at::ScalarType> dtypes,
                   const at::Device& device, std::initializer_list<int64_t> shape,
                   Layout layout = Layout::kInnerContiguous) {
-  TORCH_CHECK_VALUE(t.defined(), "dsa::", op, ": ", name, " is an undefined tensor");
-  TORCH_CHECK_VALUE(t.device() == device, "dsa::", op, ": ", name, " on ", t.device(), ", expected ", device);
+  DSA_CHECK_VALUE(t.defined(), "dsa::", op, ": ", name, " is an undefined tensor");
+  DSA_CHECK_VALUE(t.device() == device, "dsa::", op, ": ", name, " on ", t.device(), ", expected ", device);
   bool dtype_ok = false;
   std::string allowed;
   for (at::ScalarType d : dtypes) {
     dtype_ok = dtype_ok || t.scalar_type() == d;
     allowed += (allowed.empty() ? "" : ", ") + dtype_name(d);
   }
-  TORCH_CHECK_VALUE(dtype_ok, "dsa::", op, ": ", name, " dtype ", dtype_name(t.scalar_type()), " not in (", allowed,
+  DSA_CHECK_VALUE(dtype_ok, "dsa::", op, ": ", name, " dtype ", dtype_name(t.scalar_type()), " not in (", allowed,
                     dtypes.size() == 1 ? ",)" : ")");
-  TORCH_CHECK_VALUE(t.dim() == static_cast<int64_t>(shape.size()), "dsa::", op, ": ", name, " must be ",
+  DSA_CHECK_VALUE(t.dim() == static_cast<int64_t>(shape.size()), "dsa::", op, ": ", name, " must be ",
                     shape.size(), "-D, got shape ", dims(t.sizes()));
   int64_t i = 0;
   for (int64_t want : shape) {
-    TORCH_CHECK_VALUE(want == kAny || t.size(i) == want, "dsa::", op, ": ", name, " shape ", dims(t.sizes()),
+    DSA_CHECK_VALUE(want == kAny || t.size(i) == want, "dsa::", op, ": ", name, " shape ", dims(t.sizes()),
                       ": dim ", i, " must be ", want);
     ++i;
   }
   if (layout == Layout::kContiguous) {
-    TORCH_CHECK_VALUE(t.is_contiguous(), "dsa::", op, ": ", name, " must be contiguous (shape ", dims(t.sizes()),
+    DSA_CHECK_VALUE(t.is_contiguous(), "dsa::", op, ": ", name, " must be contiguous (shape ", dims(t.sizes()),
                       ", strides ", dims(t.strides()), ")");
   } else {
-    TORCH_CHECK_VALUE(t.numel() == 0 || t.stride(-1) == 1, "dsa::", op, ": ", name, " innermost stride ",
+    DSA_CHECK_VALUE(t.numel() == 0 || t.stride(-1) == 1, "dsa::", op, ": ", name, " innermost stride ",
                       t.stride(-1), " must be 1");
   }
 }
@@ -110,7 +104,7 @@ void check_optional(const char* op, const char* name, const std::optional<at::Te
 }
 
 int to_int(const char* op, const char* name, int64_t v) {
-  TORCH_CHECK_VALUE(v >= 0 && v <= kInt32Max, "dsa::", op, ": ", name, "=", v, " out of the int32 range");
+  DSA_CHECK_VALUE(v >= 0 && v <= kInt32Max, "dsa::", op, ": ", name, "=", v, " out of the int32 range");
   return static_cast<int>(v);
 }
 
@@ -121,13 +115,13 @@ int64_t row_stride(const at::Tensor& t) { return t.size(0) > 1 ? t.stride(0) : t
 void check_status(int status) {
   if (status == DSA_OK) return;
   const char* msg = dsa_last_error_message();
-  TORCH_CHECK_VALUE(status != DSA_ERR_INVALID_ARG, "dsa::", msg);
-  TORCH_CHECK_NOT_IMPLEMENTED(status != DSA_ERR_UNSUPPORTED, "dsa::", msg);
-  TORCH_CHECK(false, "dsa::", msg, " (kernel library status ", status, ")");
+  DSA_CHECK_VALUE(status != DSA_ERR_INVALID_ARG, "dsa::", msg);
+  DSA_CHECK_NOT_IMPLEMENTED(status != DSA_ERR_UNSUPPORTED, "dsa::", msg);
+  DSA_CHECK(false, "dsa::", msg, " (kernel library status ", status, ")");
 }
 
 [[noreturn]] void no_kernel(const char* op, const std::string& what) {
-  TORCH_CHECK_NOT_IMPLEMENTED(false, "dsa::", op, ": ", what,
+  DSA_CHECK_NOT_IMPLEMENTED(false, "dsa::", op, ": ", what,
                               " has no CUDA kernel (fp8 uint8 or bf16 pools with bf16 activations are served). "
                               "Run this mode on the CPU, or set DSA_KERNELS=reference for the plain-torch "
                               "reference on the GPU");
@@ -230,7 +224,7 @@ void indexer_logits_into(const at::Tensor& q, const at::Tensor& weights, const a
   const IndexerShape s = check_indexer_inputs(op, q, weights, pool, page_table, req_idx, seq_lens);
   check_tensor(op, "out", out, {at::kFloat}, pool.device(), {s.num_tokens, kAny});
   const int64_t width = static_cast<int64_t>(s.max_pages) * DSA_PAGE_SIZE;
-  TORCH_CHECK_VALUE(out.size(1) >= width, "dsa::", op, ": out width ", out.size(1), " < max_pages*64=", width);
+  DSA_CHECK_VALUE(out.size(1) >= width, "dsa::", op, ": out width ", out.size(1), " < max_pages*64=", width);
   if (s.num_tokens == 0 || s.max_pages == 0) return;
   const c10::cuda::CUDAGuard guard(pool.device());
   const DsaIndexerLogitsParams p{q.data_ptr(),
@@ -251,7 +245,7 @@ void indexer_logits_into(const at::Tensor& q, const at::Tensor& weights, const a
 
 at::Tensor indexer_logits(const at::Tensor& q, const at::Tensor& weights, const at::Tensor& pool,
                           const at::Tensor& page_table, const at::Tensor& req_idx, const at::Tensor& seq_lens) {
-  TORCH_CHECK_VALUE(q.dim() >= 1 && page_table.dim() == 2, "dsa::indexer_logits: q must be 3-D and page_table 2-D, got ",
+  DSA_CHECK_VALUE(q.dim() >= 1 && page_table.dim() == 2, "dsa::indexer_logits: q must be 3-D and page_table 2-D, got ",
                     dims(q.sizes()), " and ", dims(page_table.sizes()));
   at::Tensor out = at::empty({q.size(0), page_table.size(1) * DSA_PAGE_SIZE}, pool.options().dtype(at::kFloat));
   indexer_logits_into(q, weights, pool, page_table, req_idx, seq_lens, out);
@@ -264,7 +258,7 @@ void topk_translate_into(const at::Tensor& logits, const at::Tensor& lengths, co
                          const std::optional<at::Tensor>& indices) {
   const char* op = "topk_translate";
   const at::Device dev = logits.device();
-  TORCH_CHECK_VALUE(k >= 1 && k <= kInt32Max, "dsa::", op, ": k=", k, " must be an int in [1, 2^31)");
+  DSA_CHECK_VALUE(k >= 1 && k <= kInt32Max, "dsa::", op, ": k=", k, " must be an int in [1, 2^31)");
   check_tensor(op, "logits", logits, {at::kFloat}, dev, {kAny, kAny});
   const int64_t rows = logits.size(0);
   check_tensor(op, "lengths", lengths, {at::kInt}, dev, {rows}, Layout::kContiguous);
@@ -293,8 +287,8 @@ void topk_translate_into(const at::Tensor& logits, const at::Tensor& lengths, co
 
 at::Tensor topk_translate(const at::Tensor& logits, const at::Tensor& lengths, const at::Tensor& page_table,
                           const at::Tensor& req_idx, int64_t k) {
-  TORCH_CHECK_VALUE(logits.dim() == 2, "dsa::topk_translate: logits must be 2-D, got shape ", dims(logits.sizes()));
-  TORCH_CHECK_VALUE(k >= 1 && k <= kInt32Max, "dsa::topk_translate: k=", k, " must be an int in [1, 2^31)");
+  DSA_CHECK_VALUE(logits.dim() == 2, "dsa::topk_translate: logits must be 2-D, got shape ", dims(logits.sizes()));
+  DSA_CHECK_VALUE(k >= 1 && k <= kInt32Max, "dsa::topk_translate: k=", k, " must be an int in [1, 2^31)");
   at::Tensor slots = at::empty({logits.size(0), k}, logits.options().dtype(at::kInt));
   topk_translate_into(logits, lengths, page_table, req_idx, k, slots, std::nullopt);
   return slots;
@@ -307,7 +301,7 @@ int64_t env_mla_splits() {
   if (raw == nullptr || *raw == '\0') return 0;
   char* end = nullptr;
   const long long v = std::strtoll(raw, &end, 10);
-  TORCH_CHECK_VALUE(end != raw && *end == '\0' && v >= 0 && v <= kInt32Max, "dsa::sparse_mla: DSA_MLA_SPLITS='", raw,
+  DSA_CHECK_VALUE(end != raw && *end == '\0' && v >= 0 && v <= kInt32Max, "dsa::sparse_mla: DSA_MLA_SPLITS='", raw,
                     "' is not an integer >= 0 (0 = auto, 1 = unsplit, n = n chunks)");
   return v;
 }
@@ -324,7 +318,7 @@ std::tuple<at::Tensor, at::Tensor> sparse_mla_splits(const at::Tensor& q, const 
   check_tensor(op, "q", q, {at::kBFloat16}, dev, {kAny, kAny, DSA_MLA_DIM});
   const int64_t num_tokens = q.size(0);
   check_tensor(op, "slots", slots, {at::kInt}, dev, {num_tokens, kAny}, Layout::kContiguous);
-  TORCH_CHECK_VALUE(num_splits >= 0 && num_splits <= kInt32Max, "dsa::", op, ": num_splits=", num_splits,
+  DSA_CHECK_VALUE(num_splits >= 0 && num_splits <= kInt32Max, "dsa::", op, ": num_splits=", num_splits,
                     " must be an int >= 0 (0 = auto, 1 = unsplit, n = n chunks)");
   const int heads = to_int(op, "num_heads", q.size(1));
   at::Tensor out = at::empty({num_tokens, heads, DSA_MLA_V_DIM}, q.options());
@@ -366,7 +360,7 @@ int64_t sparse_mla_launch(const at::Tensor& q, const at::Tensor& pool, const at:
                           const std::optional<at::Tensor>& lse, const std::optional<at::Tensor>& ws,
                           int64_t num_heads, int64_t topk, int64_t format, int64_t num_splits, double kv_scale,
                           double sm_scale) {
-  TORCH_CHECK_VALUE(q.is_cuda() && pool.device() == q.device() && slots.device() == q.device() &&
+  DSA_CHECK_VALUE(q.is_cuda() && pool.device() == q.device() && slots.device() == q.device() &&
                         out.device() == q.device(),
                     "dsa_lab::sparse_mla_launch: q, pool, slots and out must be on one CUDA device");
   const c10::cuda::CUDAGuard guard(q.device());

@@ -14,6 +14,7 @@
 
 #include <optional>
 
+#include "message.h"
 #include "../csrc/dsa_kernels.h"
 
 namespace {
@@ -24,28 +25,28 @@ constexpr int64_t kInt32Max = 2147483647;
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 void check_on(const at::Tensor& t, const char* op, const char* name, const at::Device& device) {
-  TORCH_CHECK_VALUE(t.is_cuda(), op, ": ", name, " must be a CUDA tensor (got ", t.device(), ")");
-  TORCH_CHECK_VALUE(t.device() == device, op, ": ", name, " is on ", t.device(), " but x is on ", device);
+  DSA_CHECK_VALUE(t.is_cuda(), op, ": ", name, " must be a CUDA tensor (got ", t.device(), ")");
+  DSA_CHECK_VALUE(t.device() == device, op, ": ", name, " is on ", t.device(), " but x is on ", device);
 }
 
 void check_dtype(const at::Tensor& t, const char* op, const char* name, at::ScalarType want) {
-  TORCH_CHECK_VALUE(t.scalar_type() == want, op, ": ", name, " must be ", want, " (got ", t.scalar_type(), ")");
+  DSA_CHECK_VALUE(t.scalar_type() == want, op, ": ", name, " must be ", want, " (got ", t.scalar_type(), ")");
 }
 
 void check_shape(const at::Tensor& t, const char* op, const char* name, at::IntArrayRef want) {
-  TORCH_CHECK_VALUE(t.sizes() == want, op, ": ", name, " must have shape ", want, " (got ", t.sizes(), ")");
+  DSA_CHECK_VALUE(t.sizes() == want, op, ": ", name, " must have shape ", want, " (got ", t.sizes(), ")");
 }
 
 void check_contiguous(const at::Tensor& t, const char* op, const char* name) {
-  TORCH_CHECK_VALUE(t.is_contiguous(), op, ": ", name, " must be contiguous (got strides ", t.strides(),
+  DSA_CHECK_VALUE(t.is_contiguous(), op, ": ", name, " must be contiguous (got strides ", t.strides(),
                     "; pass .contiguous())");
 }
 
 void check_status(int status, const char* op) {
   if (status == DSA_OK) return;
-  TORCH_CHECK_VALUE(status != DSA_ERR_INVALID_ARG, op, ": ", dsa_last_error_message());
-  TORCH_CHECK_NOT_IMPLEMENTED(status != DSA_ERR_UNSUPPORTED, op, ": ", dsa_last_error_message());
-  TORCH_CHECK(false, op, ": ", dsa_last_error_message());
+  DSA_CHECK_VALUE(status != DSA_ERR_INVALID_ARG, op, ": ", dsa_last_error_message());
+  DSA_CHECK_NOT_IMPLEMENTED(status != DSA_ERR_UNSUPPORTED, op, ": ", dsa_last_error_message());
+  DSA_CHECK(false, op, ": ", dsa_last_error_message());
 }
 
 at::Tensor workspace(size_t bytes, const at::Tensor& like) {
@@ -57,19 +58,19 @@ at::Tensor workspace(size_t bytes, const at::Tensor& like) {
 at::Tensor fp8_block_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& weight_scale,
                             bool pow2_scales) {
   constexpr const char* op = "dsa::fp8_block_linear";
-  TORCH_CHECK_VALUE(x.dim() == 2 && x.stride(1) == 1, op, ": x must be [T, K] with unit inner stride (got shape ",
+  DSA_CHECK_VALUE(x.dim() == 2 && x.stride(1) == 1, op, ": x must be [T, K] with unit inner stride (got shape ",
                     x.sizes(), ", strides ", x.strides(), ")");
   check_on(weight, op, "weight", x.device());
   check_on(weight_scale, op, "weight_scale", x.device());
   check_dtype(x, op, "x", at::kBFloat16);
   check_dtype(weight, op, "weight", at::kFloat8_e4m3fn);
   check_dtype(weight_scale, op, "weight_scale", at::kFloat);
-  TORCH_CHECK_VALUE(weight.dim() == 2, op, ": weight must be [N, K] (got ", weight.sizes(), ")");
+  DSA_CHECK_VALUE(weight.dim() == 2, op, ": weight must be [N, K] (got ", weight.sizes(), ")");
   const int64_t n = weight.size(0), k = weight.size(1);
-  TORCH_CHECK_VALUE(n > 0 && k > 0 && n <= kInt32Max && k <= kInt32Max, op, ": weight shape ", weight.sizes(),
+  DSA_CHECK_VALUE(n > 0 && k > 0 && n <= kInt32Max && k <= kInt32Max, op, ": weight shape ", weight.sizes(),
                     " must have 0 < N, K < 2^31");
-  TORCH_CHECK_VALUE(x.size(1) == k, op, ": x has K=", x.size(1), " columns but weight [N, K] is ", weight.sizes());
-  TORCH_CHECK_NOT_IMPLEMENTED(k % 16 == 0, op, ": K = ", k,
+  DSA_CHECK_VALUE(x.size(1) == k, op, ": x has K=", x.size(1), " columns but weight [N, K] is ", weight.sizes());
+  DSA_CHECK_NOT_IMPLEMENTED(k % 16 == 0, op, ": K = ", k,
                               " must be a multiple of 16 (the kernels copy 16-byte weight chunks)");
   check_contiguous(weight, op, "weight");
   check_shape(weight_scale, op, "weight_scale", {ceil_div(n, kBlock), ceil_div(k, kBlock)});
@@ -109,30 +110,30 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& topk_ids, const at
                                 {topk_weights, "topk_weights"}, {w13, "w13"}, {w2, "w2"}})
     check_on(t, op, name, x.device());
   check_dtype(x, op, "x", at::kBFloat16);
-  TORCH_CHECK_VALUE(x.dim() == 2, op, ": x must be [T, D] (got ", x.sizes(), ")");
+  DSA_CHECK_VALUE(x.dim() == 2, op, ": x must be [T, D] (got ", x.sizes(), ")");
   check_dtype(topk_ids, op, "topk_ids", at::kInt);
   check_dtype(topk_weights, op, "topk_weights", at::kFloat);
   check_contiguous(x, op, "x");
   check_contiguous(topk_ids, op, "topk_ids");
   check_contiguous(topk_weights, op, "topk_weights");
   const int64_t t = x.size(0), d = x.size(1);
-  TORCH_CHECK_VALUE(topk_ids.dim() == 2 && topk_ids.size(0) == t && topk_ids.size(1) >= 1, op,
+  DSA_CHECK_VALUE(topk_ids.dim() == 2 && topk_ids.size(0) == t && topk_ids.size(1) >= 1, op,
                     ": topk_ids must be [T=", t, ", top_k >= 1] (got ", topk_ids.sizes(), ")");
   const int64_t top_k = topk_ids.size(1);
   check_shape(topk_weights, op, "topk_weights", {t, top_k});
 
   const bool fp8 = w13.scalar_type() == at::kFloat8_e4m3fn;
-  TORCH_CHECK_VALUE(fp8 || w13.scalar_type() == at::kBFloat16, op, ": w13 must be float8_e4m3fn or bfloat16 (got ",
+  DSA_CHECK_VALUE(fp8 || w13.scalar_type() == at::kBFloat16, op, ": w13 must be float8_e4m3fn or bfloat16 (got ",
                     w13.scalar_type(), ")");
   check_dtype(w2, op, "w2", w13.scalar_type());
-  TORCH_CHECK_VALUE(w13.dim() == 3 && w13.size(2) == d && w13.size(1) % 2 == 0 && w13.size(1) > 0, op,
+  DSA_CHECK_VALUE(w13.dim() == 3 && w13.size(2) == d && w13.size(1) % 2 == 0 && w13.size(1) > 0, op,
                     ": w13 must be [E_local, 2I, D=", d, "] with 2I even and > 0 (got ", w13.sizes(), ")");
   const int64_t e = w13.size(0), inter = w13.size(1) / 2;
   check_shape(w2, op, "w2", {e, d, inter});
   check_contiguous(w13, op, "w13");
   check_contiguous(w2, op, "w2");
   if (fp8) {
-    TORCH_CHECK_VALUE(w13_scale.has_value() && w2_scale.has_value(), op,
+    DSA_CHECK_VALUE(w13_scale.has_value() && w2_scale.has_value(), op,
                       ": float8_e4m3fn experts need w13_scale and w2_scale (got None)");
     for (const auto& [s, name] : {std::pair<const at::Tensor&, const char*>{*w13_scale, "w13_scale"},
                                   {*w2_scale, "w2_scale"}}) {
@@ -142,16 +143,16 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& topk_ids, const at
     }
     check_shape(*w13_scale, op, "w13_scale", {e, ceil_div(2 * inter, kBlock), ceil_div(d, kBlock)});
     check_shape(*w2_scale, op, "w2_scale", {e, ceil_div(d, kBlock), ceil_div(inter, kBlock)});
-    TORCH_CHECK_NOT_IMPLEMENTED(d % 16 == 0 && inter % 16 == 0, op, ": D = ", d, " and I = ", inter,
+    DSA_CHECK_NOT_IMPLEMENTED(d % 16 == 0 && inter % 16 == 0, op, ": D = ", d, " and I = ", inter,
                                 " must be multiples of 16 for float8_e4m3fn experts");
   } else {
-    TORCH_CHECK_VALUE(!w13_scale.has_value() && !w2_scale.has_value(), op,
+    DSA_CHECK_VALUE(!w13_scale.has_value() && !w2_scale.has_value(), op,
                       ": bfloat16 experts take no scales (w13_scale / w2_scale must be None)");
   }
-  TORCH_CHECK_VALUE(num_experts >= 1 && expert_offset >= 0 && expert_offset + e <= num_experts, op,
+  DSA_CHECK_VALUE(num_experts >= 1 && expert_offset >= 0 && expert_offset + e <= num_experts, op,
                     ": the local experts [expert_offset=", expert_offset, ", +E_local=", e,
                     ") must lie in [0, num_experts=", num_experts, ")");
-  TORCH_CHECK_NOT_IMPLEMENTED(
+  DSA_CHECK_NOT_IMPLEMENTED(
       d <= kInt32Max && 2 * inter <= kInt32Max && num_experts <= kInt32Max && t * top_k <= kInt32Max, op,
       ": sizes exceed int32 (T*top_k=", t * top_k, ", D=", d, ", I=", inter, ")");
 
