@@ -33,10 +33,13 @@ TOP_OPS = 8  # the most frequent ops, printed to see what a layer is made of
 
 def fake_network(cfg: ModelConfig, cache_mode: str, tp: int) -> DSAForCausalLM:
     """Rank 0's network with FakeTensor parameters and buffers (meta-like, but on the CPU device
-    the example inputs live on, so fake-tensor device propagation accepts the mix)."""
+    the example inputs live on, so fake-tensor device propagation accepts the mix). The MoE layers'
+    routed experts are one dsa::moe_experts node each; an fp8-block config keeps its Linears e4m3
+    (W8A8, tp 1 only), as the builder does for such a checkpoint."""
+    fp8 = cfg.fp8_weight_block is not None and tp == 1
     with FakeTensorMode(allow_non_fake_inputs=True):
         net = DSAForCausalLM(cfg, cache_mode=cache_mode, dtype=torch.bfloat16,
-                             tp_rank=0, tp_size=tp)
+                             tp_rank=0, tp_size=tp, expert_op=True, fp8_linears=fp8)
     return net.eval()
 
 

@@ -51,9 +51,14 @@ def _library_path(extra: Path | None):
             os.environ["LIBRARY_PATH"] = old
 
 
-def compile_package(ep, package_path: Path) -> Path:
-    """torch.export program -> AOTInductor package at ``package_path``, linked and checked."""
-    configs = {}
+def compile_package(ep, package_path: Path, external_weights: bool = False) -> Path:
+    """torch.export program -> AOTInductor package at ``package_path``, linked and checked.
+
+    ``external_weights``: the package holds no constants (its .so only their table); the runtime
+    hands them over from rank<N>.weights.safetensors (dsa_trt/weights_file.py). Inductor then
+    neither copies the weights into the .so nor reads their data, so compile time and package size
+    do not grow with the weights."""
+    configs = {"aot_inductor.package_constants_in_so": False} if external_weights else {}
     lib = loaded_libstdcxx() if sys.platform.startswith("linux") else None
     if lib is not None:
         configs["aot_inductor.custom_op_libs"] = [":" + LIBSTDCXX]
