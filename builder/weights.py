@@ -72,14 +72,26 @@ def network_specs(net: torch.nn.Module) -> dict[str, ConstantSpec]:
     return {n: ConstantSpec(t.dtype, tuple(t.shape)) for n, t in tensors.items()}
 
 
+def _group(name: str) -> str:
+    """model.layers.3.mlp.gate.weight -> model.layers.3; the tensors outside the layers: themselves."""
+    return ".".join(name.split(".")[:3]) if name.startswith("model.layers.") else name
+
+
+def _buffers_as_parameters(net: torch.nn.Module) -> None:
+    """Persistent buffers (Fp8Linear's e4m3 weight and scales, the stacked experts) become frozen
+    Parameters, same names: AOTInductor clones every buffer the program takes (in case the program
+    mutates it) but not parameters, and a clone of each would put the rank's weights in memory."""
+    for mod in net.modules():
+        for key in [k for k in mod._buffers if k not in mod._non_persistent_buffers_set]:
+            mod._parameters[key] = torch.nn.Parameter(mod._buffers.pop(key), requires_grad=False)
+
+
 def largest_layer_bytes(specs: dict[str, ConstantSpec]) -> int:
     """Bytes of the largest group the stream holds at once: one decoder layer's tensors, or one of
     the tensors outside the layers (the embedding, the head)."""
     groups: dict[str, int] = {}
     for name, s in specs.items():
-        parts = name.split(".")
-        key = ".".join(parts[:3]) if name.startswith("model.layers.") else name
-        groups[key] = groups.get(key, 0) + s.nbytes()
+        groups[_group(name)] = groups.get(_group(name), 0) + s.nbytes()
     return max(groups.values(), default=0)
 
 
@@ -94,9 +106,14 @@ def build_rank(ckpt: Checkpoint, out: Path, rank: int, package_name: str, *, cac
     wpath = out / weights_file_name(rank)
     derived = derived_buffers(net)
     with WeightsWriter(wpath, specs) as writer:
+        group = None
         for name, t in checkpoint_tensors(ckpt, net, rank, tp_size, progress):
+            if group is not None and _group(name) != group:
+                ckpt.close()  # unmap the shards: their pages would stay resident for the whole build
+            group = _group(name)
             writer.put(name, t)
             del t
+        ckpt.close()
         for name, t in derived.items():
             writer.put(name, t)
     t_write = time.perf_counter() - t0
@@ -107,6 +124,7 @@ def build_rank(ckpt: Checkpoint, out: Path, rank: int, package_name: str, *, cac
     net.load_state_dict({n: tensors[n] for n in net.state_dict()}, strict=True, assign=True)
     for name in derived:
         set_tensor(net, name, tensors[name])
+    _buffers_as_parameters(net)
     net.set_kv_scales(kv_scales)
     net.eval()
     ep = export_program(net, max_num_tokens=max_num_tokens, device=device)

@@ -69,8 +69,6 @@ class EngineConfig:
             problems.append(f"page_size {self.page_size}: this runtime supports {PAGE_SIZE}")
         if self.weights not in WEIGHTS_FORMATS:
             problems.append(f"weights {self.weights!r} not in {WEIGHTS_FORMATS}")
-        elif self.weights is not None and self.compiler != "aoti":
-            problems.append(f"weights {self.weights!r}: only AOTInductor programs take their weights from a file")
         if len(self.kv_scales) != self.model.num_hidden_layers:
             problems.append(f"kv_scales has {len(self.kv_scales)} entries for {self.model.num_hidden_layers} layers")
         if problems:
