@@ -224,9 +224,10 @@ def build_summary(out: Path, cfg: EngineConfig, rank_stats: list[dict] | None = 
             line += f" + {w} {(out / w).stat().st_size / 2**20:.1f} MiB"
         if rank_stats and "peak_rss" in rank_stats[rank]:
             st = rank_stats[rank]
-            line += f"; peak RSS {st['peak_rss'] / 2**20:,.0f} MiB"
+            line += f"; peak RSS {st['peak_rss'] / 2**20:,.0f} MiB (start {st['start_rss'] / 2**20:,.0f} MiB"
             if "largest_layer_bytes" in st:
-                line += f" (largest layer {st['largest_layer_bytes'] / 2**20:,.0f} MiB)"
+                line += f", largest layer {st['largest_layer_bytes'] / 2**20:,.0f} MiB"
+            line += ")"
         lines.append(line)
     lines.append(f"  cache       {bpt:,} B/token on every rank ({cfg.model.num_hidden_layers} layers x "
                  f"{bpt // cfg.model.num_hidden_layers} B: MLA latent + indexer key, replicated across ranks)")

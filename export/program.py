@@ -129,5 +129,66 @@ def export_program(net: DSAForCausalLM, max_num_tokens: int = 8192, max_batch: i
     # dims and their bounds come from the step contract (dsa_trt/step.py): one symbol per name
     dims = export_dims(max_num_tokens=max_num_tokens, max_batch=max_batch, max_pages_per_seq=max_pages_per_seq)
     with torch.no_grad():
-        return export(net, step.as_tuple() + (mla, idx),
-                      dynamic_shapes=dynamic_shapes(dims, cfg.num_hidden_layers))
+        ep = export(net, step.as_tuple() + (mla, idx), dynamic_shapes=dynamic_shapes(dims, cfg.num_hidden_layers))
+    drop_noop_nodes(ep)
+    return ep
+
+
+def _same_shape(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return tuple(map(str, a.shape)) == tuple(map(str, b.shape))  # symbolic sizes by name: no guard added
+
+
+def drop_noop_nodes(ep: ExportedProgram) -> int:
+    """Remove what export leaves that computes nothing: the ``_assert_tensor_metadata`` check it adds
+    after every ``.to()`` (a dtype assertion of a value the graph already types), a ``view`` /
+    ``reshape`` to the shape its input has, and a ``to`` to the dtype its input has (both return
+    their input). Inductor drops them too, but only after every consumer (the node count, the
+    ONNX exporter) has walked them: ~60 of a V3.2 MoE layer's ~280 nodes. Then repeated pure
+    calls are merged (_merge_common_nodes). Returns the nodes removed."""
+    aten = torch.ops.aten
+    graph, dropped = ep.graph_module.graph, 0
+    for node in list(graph.nodes):
+        if node.op != "call_function":
+            continue
+        if node.target is aten._assert_tensor_metadata.default and not node.users:
+            graph.erase_node(node)
+            dropped += 1
+            continue
+        if node.target not in (aten.view.default, aten.reshape.default, aten.to.dtype):
+            continue
+        src, out = node.args[0], node.meta.get("val")
+        before = src.meta.get("val") if isinstance(src, torch.fx.Node) else None
+        if not isinstance(before, torch.Tensor) or not isinstance(out, torch.Tensor):
+            continue
+        if node.target is aten.to.dtype:
+            if node.kwargs.get("copy") or any(a is True for a in node.args[2:]) or before.dtype != out.dtype:
+                continue
+        elif not _same_shape(before, out) or before.dtype != out.dtype:
+            continue
+        node.replace_all_uses_with(src)
+        graph.erase_node(node)
+        dropped += 1
+    dropped += _merge_common_nodes(graph)
+    ep.graph_module.recompile()
+    return dropped
+
+
+def _merge_common_nodes(graph: torch.fx.Graph) -> int:
+    """One node for each pure aten call repeated on the same inputs: every layer reshapes the same
+    RoPE cos/sin, for instance. Only functional aten ops with a tensor input (no factory, no
+    mutation, no custom op: the dsa:: cache writes mutate their pools)."""
+    seen, merged = {}, 0
+    for node in list(graph.nodes):
+        schema = getattr(node.target, "_schema", None)
+        if (node.op != "call_function" or schema is None or schema.is_mutable or node.is_impure()
+                or not str(node.target).startswith("aten.")
+                or not any(isinstance(a, torch.fx.Node) for a in node.args)):
+            continue
+        key = (node.target, repr(node.args), repr(sorted(node.kwargs.items())))
+        if key in seen:
+            node.replace_all_uses_with(seen[key])
+            graph.erase_node(node)
+            merged += 1
+        else:
+            seen[key] = node
+    return merged

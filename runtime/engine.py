@@ -1,6 +1,8 @@
 """Engines: one per rank, ``forward(step, mla_pools, index_pools) -> logits`` (docs/architecture.md §6).
 
-``Engine.load(engine_dir)`` opens the compiled program of one rank of an engine directory; every
+``Engine.load(engine_dir)`` opens the compiled program of one rank of an engine directory (an
+AOTInductor package gets its weights from rank<N>.weights.safetensors, mapped, checked against
+the package's constant table, handed to load_constants: dsa_trt/weights_file.py); every
 step, prefill or decode, runs it (one path for every token: docs/architecture.md §8). Both AOTInductor packages and TensorRT plans implement the same call; the eager network (the
 reference path, built by the builder) implements it too.
 """
