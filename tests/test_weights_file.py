@@ -154,7 +154,7 @@ def test_flipped_data_bytes(engine, fp8_engine, monkeypatch):
     wfile = engine / WEIGHTS
     data = bytearray(wfile.read_bytes())
     table = constant_table(engine / "rank0.pt2")
-    name = "model.embed_tokens.weight"
+    name = "model.norm.weight"  # every logit goes through it
     header = json.loads(data[8: 8 + header_len(wfile)])
     begin = 8 + header_len(wfile) + header[name]["data_offsets"][0]
     assert name in table
@@ -166,7 +166,7 @@ def test_flipped_data_bytes(engine, fp8_engine, monkeypatch):
     for mode in ("size", "off"):
         monkeypatch.setenv("DSA_VERIFY_ENGINE", mode)
         got = logits(Engine.load(engine))
-        assert not torch.equal(got, want), f"DSA_VERIFY_ENGINE={mode}: the flipped embedding rows changed nothing?"
+        assert not torch.equal(got, want), f"DSA_VERIFY_ENGINE={mode}: the flipped norm weights changed nothing?"
 
 
 @pytest.mark.parametrize("change, shown", [
