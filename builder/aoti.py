@@ -24,6 +24,13 @@ import torch
 from dsa_trt.package_check import LIBSTDCXX, PackageLinkError, check_package, elf_needed  # noqa: F401
 
 
+EXTERNAL_WEIGHTS_CONFIGS = {
+    "aot_inductor.package_constants_in_so": False,
+    "always_keep_tensor_constants": True,  # no constant inlined into the code as literal values
+    "joint_graph_constant_folding": False,  # no uniform-valued constant replaced by its value
+}
+
+
 def loaded_libstdcxx() -> Path | None:
     """The shared libstdc++ mapped into this process (torch loads it), or None."""
     try:
@@ -51,9 +58,16 @@ def _library_path(extra: Path | None):
             os.environ["LIBRARY_PATH"] = old
 
 
-def compile_package(ep, package_path: Path) -> Path:
-    """torch.export program -> AOTInductor package at ``package_path``, linked and checked."""
-    configs = {}
+def compile_package(ep, package_path: Path, external_weights: bool = False) -> Path:
+    """torch.export program -> AOTInductor package at ``package_path``, linked and checked.
+
+    ``external_weights``: the package holds no constants (its .so only their table); the runtime
+    hands them over from rank<N>.weights.safetensors (dsa_trt/weights_file.py). Inductor then
+    neither copies the weights into the .so nor reads their data, so compile time and package size
+    do not grow with the weights. Inductor must then not bake weight values into the code either:
+    it inlines small 1-D constants (<= 8 elements, e.g. a router bias of few experts) and folds
+    uniform-valued ones, which would ignore the file's values; both are turned off."""
+    configs = dict(EXTERNAL_WEIGHTS_CONFIGS) if external_weights else {}
     lib = loaded_libstdcxx() if sys.platform.startswith("linux") else None
     if lib is not None:
         configs["aot_inductor.custom_op_libs"] = [":" + LIBSTDCXX]

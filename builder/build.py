@@ -32,7 +32,10 @@ from dsa_trt.export.sharding import check_tp
 from dsa_trt.plan import check_fits
 from dsa_trt.tokenizer import Tokenizer
 
-from .aoti import PackageLinkError, compile_package
+from dsa_trt.weights_file import WeightsFileError, weights_file_name
+
+from .aoti import PackageLinkError
+from .weights import PeakRSS, build_rank
 
 DEFAULT_CALIB_TEXT = Path(__file__).resolve().parent.parent / "export" / "data" / "corpus.txt"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -92,30 +95,26 @@ def check_onnx_options(compiler: str, emit_onnx: bool, cache_mode: str, device: 
                              "tensor-parallel engines use --compiler aoti (--emit-onnx still writes their ONNX)")
 
 
-def compile_program(ep, onnx_ep, out: Path, name: str, compiler: str, emit_onnx: bool, profile, plugin_lib) -> None:
-    """One exported program -> its compiled file ``name`` (+ onnx/<name>.onnx for TensorRT or --emit-onnx)."""
-    if compiler == "tensorrt" or emit_onnx:
-        from .onnx_export import OnnxExportError, export_onnx
-        from .tensorrt_build import TensorRTBuildError, build_plan
+def compile_onnx_program(onnx_ep, out: Path, name: str, compiler: str, profile, plugin_lib) -> None:
+    """One exported program -> onnx/<name>.onnx (+ the TensorRT plan ``name`` with --compiler tensorrt)."""
+    from .onnx_export import OnnxExportError, export_onnx
+    from .tensorrt_build import TensorRTBuildError, build_plan
 
-        try:
-            onnx_path = export_onnx(onnx_ep, out / "onnx" / Path(name).with_suffix(".onnx").name)
-            if compiler == "tensorrt":
-                build_plan(onnx_path, out / name, plugin_lib, profile)
-        except (OnnxExportError, TensorRTBuildError) as e:
-            raise BuildError(f"{name}: {e}") from e
-    if compiler == "aoti":
-        try:
-            compile_package(ep, out / name)
-        except PackageLinkError as e:
-            raise BuildError(str(e)) from e
+    try:
+        onnx_path = export_onnx(onnx_ep, out / "onnx" / Path(name).with_suffix(".onnx").name)
+        if compiler == "tensorrt":
+            build_plan(onnx_path, out / name, plugin_lib, profile)
+    except (OnnxExportError, TensorRTBuildError) as e:
+        raise BuildError(f"{name}: {e}") from e
 
 
 def build_engine(checkpoint: str | Path, out: str | Path, tp: int = 1, cache_mode: str = "fp8",
                  compiler: str = "auto", device: str | None = None, dtype: str | None = None,
                  calib_file: str | Path | None = None, max_num_tokens: int = 8192,
                  emit_onnx: bool = False, kv_calibration: str | Path | None = None,
-                 gpu_memory_gb: float | None = None) -> EngineConfig:
+                 gpu_memory_gb: float | None = None, expert_op: bool | None = None,
+                 fp8_linears: bool | None = None) -> EngineConfig:
+    """``expert_op`` / ``fp8_linears``: build_network's options, passed on when given."""
     t0 = time.perf_counter()
     out = Path(out)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -167,31 +166,40 @@ def build_engine(checkpoint: str | Path, out: str | Path, tp: int = 1, cache_mod
         versions={"torch": torch.__version__, "python": sys.version.split()[0]},
     )
     profile = plugin_lib = None
+    rank_stats: list[dict] = []
     if compiler == "tensorrt":
         from .tensorrt_build import Profile, install_plugin_library
 
         cfg_out.plugin_library = install_plugin_library(out)
         plugin_lib = out / cfg_out.plugin_library
         profile = Profile.from_limits(cfg_out.max_num_tokens, cfg_out.max_batch, cfg_out.max_pages_per_seq)
+    net_options = {k: v for k, v in (("expert_op", expert_op), ("fp8_linears", fp8_linears)) if v is not None}
+    if compiler == "aoti":
+        cfg_out.weights = "safetensors"  # rank<N>.weights.safetensors beside each program (dsa_trt/weights_file.py)
     for rank in range(tp):
-        net = build_network(ckpt, cache_mode, torch_dtype, kv_scales, device=device, tp_rank=rank, tp_size=tp,
-                            progress=_bar(f"load rank {rank}/{tp}", unit="tensor"))
-        # the ONNX is always the TensorRT graph: bf16 activations (a float32 build gets a bf16 copy for it)
-        onnx_net = net if not emit_onnx or torch_dtype == torch.bfloat16 else build_network(
-            ckpt, cache_mode, torch.bfloat16, kv_scales, device=device, tp_rank=rank, tp_size=tp)
-        bar = tqdm(total=2, desc=f"{f'export+compile rank {rank}':<22}", unit="step", dynamic_ncols=True,
-                   file=sys.stderr)
-        bar.set_postfix_str("export")
-        ep = export_program(net, max_num_tokens=max_num_tokens, device=device)
-        onnx_ep = ep if onnx_net is net else export_program(onnx_net, max_num_tokens=max_num_tokens, device=device)
-        bar.update()
         name = cfg_out.rank_file(rank)
-        bar.set_postfix_str(f"compile {name}")
-        compile_program(ep, onnx_ep, out, name, compiler, emit_onnx, profile, plugin_lib)
-        bar.update()
-        bar.close()
-        del ep, onnx_ep
-        del net, onnx_net
+        with PeakRSS() as rss:
+            stats = {}
+            if compiler == "aoti":  # streamed: a tensor at a time into the weights file, then export + compile
+                _log(f"rank {rank}: streaming weights -> {weights_file_name(rank)}, export, compile {name}", t0)
+                try:
+                    stats = build_rank(ckpt, out, rank, name, cache_mode=cache_mode, dtype=torch_dtype,
+                                       kv_scales=kv_scales, device=device, tp_size=tp, max_num_tokens=max_num_tokens,
+                                       progress=_bar(f"weights rank {rank}/{tp}", unit="tensor"), **net_options)
+                except (PackageLinkError, WeightsFileError) as e:
+                    raise BuildError(str(e)) from e
+            if compiler == "tensorrt" or emit_onnx:
+                # the ONNX is always the TensorRT graph: bf16 activations, weights inside the graph
+                onnx_net = build_network(ckpt, cache_mode, torch.bfloat16, kv_scales, device=device, tp_rank=rank,
+                                         tp_size=tp, progress=_bar(f"load rank {rank}/{tp} (onnx)", unit="tensor"),
+                                         **net_options)
+                onnx_ep = export_program(onnx_net, max_num_tokens=max_num_tokens, device=device)
+                del onnx_net
+                compile_onnx_program(onnx_ep, out, name, compiler, profile, plugin_lib)
+                del onnx_ep
+        stats.update(peak_rss=rss.peak, start_rss=rss.start)
+        rank_stats.append(stats)
+        _log(f"rank {rank}: peak RSS {rss.peak / 2**30:.2f} GiB (from {rss.start / 2**30:.2f} GiB)", t0)
     for f in TOKENIZER_FILES:
         src = Path(checkpoint) / f
         if src.is_file():
@@ -199,18 +207,28 @@ def build_engine(checkpoint: str | Path, out: str | Path, tp: int = 1, cache_mod
     cfg_out.save(out)
     write_manifest(out, cfg_out)  # last: the sha256 of every file and the config the programs were built from
     _log(f"engine -> {out}", t0)
-    print(build_summary(out, cfg_out), flush=True)
+    print(build_summary(out, cfg_out, rank_stats), flush=True)
     return cfg_out
 
 
-def build_summary(out: Path, cfg: EngineConfig) -> str:
-    """The closing table: ranks and their program sizes, cache bytes per token, tokens per GiB."""
+def build_summary(out: Path, cfg: EngineConfig, rank_stats: list[dict] | None = None) -> str:
+    """The closing table: ranks with their program and weight sizes and the build's peak host
+    memory, cache bytes per token, tokens per GiB."""
     bpt = cfg.cache_bytes_per_token
     lines = [f"  engine      {out}  ({cfg.model.model_type}, {cfg.compiler} on {cfg.device}, {cfg.dtype}, "
              f"cache {cfg.cache_mode})"]
     for rank in range(cfg.tp_size):
         name = cfg.rank_file(rank)
-        lines.append(f"  rank {rank:<6} {name} {(out / name).stat().st_size / 2**20:.1f} MiB")
+        line = f"  rank {rank:<6} {name} {(out / name).stat().st_size / 2**20:.1f} MiB"
+        if (w := cfg.rank_weights_file(rank)) is not None:
+            line += f" + {w} {(out / w).stat().st_size / 2**20:.1f} MiB"
+        if rank_stats and "peak_rss" in rank_stats[rank]:
+            st = rank_stats[rank]
+            line += f"; peak RSS {st['peak_rss'] / 2**20:,.0f} MiB (start {st['start_rss'] / 2**20:,.0f} MiB"
+            if "largest_layer_bytes" in st:
+                line += f", largest layer {st['largest_layer_bytes'] / 2**20:,.0f} MiB"
+            line += ")"
+        lines.append(line)
     lines.append(f"  cache       {bpt:,} B/token on every rank ({cfg.model.num_hidden_layers} layers x "
                  f"{bpt // cfg.model.num_hidden_layers} B: MLA latent + indexer key, replicated across ranks)")
     lines.append(f"  capacity    {2**30 // bpt:,} tokens per GiB of cache memory per rank")

@@ -3,6 +3,8 @@
 engine_dir/
   engine_config.json        this schema
   rank<N>.<ext>             the program of rank N (one step): .pt2 (AOTInductor) or .plan (TensorRT)
+  rank<N>.weights.safetensors  rank N's weights, outside its .pt2 (``weights: "safetensors"``;
+                            dsa_trt/weights_file.py: names, dtypes and shapes of the program's constants)
   tokenizer.json            (+ tokenizer_config.json)
   quant/<recipe>.json       calibration artifact (fp8 cache mode)
 
@@ -19,11 +21,13 @@ from pathlib import Path
 from dsa_trt import __version__
 from dsa_trt.cache_layout import CACHE_MODES, PAGE_SIZE
 from dsa_trt.config import ModelConfig
+from dsa_trt.weights_file import weights_file_name
 
 ENGINE_FORMAT_VERSION = 1
 ENGINE_CONFIG_NAME = "engine_config.json"
 COMPILERS = {"aoti": "pt2", "tensorrt": "plan", "eager": "safetensors"}
 DTYPES = ("bfloat16", "float32")
+WEIGHTS_FORMATS = (None, "safetensors")
 
 
 class EngineDirError(ValueError):
@@ -46,6 +50,7 @@ class EngineConfig:
     quant_recipe: str | None = None  # e.g. "fp8-kv-per-layer"
     tokenizer: str = "tokenizer.json"
     plugin_library: str | None = None  # TensorRT plugin library file name (tensorrt only)
+    weights: str | None = None  # "safetensors": rank<N>.weights.safetensors; None: inside the program (older engines)
     versions: dict = field(default_factory=dict)  # library versions at build time
     format_version: int = ENGINE_FORMAT_VERSION
     dsa_trt_version: str = __version__
@@ -62,6 +67,8 @@ class EngineConfig:
             problems.append(f"tp_size {self.tp_size} must divide num_attention_heads {self.model.num_attention_heads}")
         if self.page_size != PAGE_SIZE:
             problems.append(f"page_size {self.page_size}: this runtime supports {PAGE_SIZE}")
+        if self.weights not in WEIGHTS_FORMATS:
+            problems.append(f"weights {self.weights!r} not in {WEIGHTS_FORMATS}")
         if len(self.kv_scales) != self.model.num_hidden_layers:
             problems.append(f"kv_scales has {len(self.kv_scales)} entries for {self.model.num_hidden_layers} layers")
         if problems:
@@ -74,6 +81,14 @@ class EngineConfig:
 
     def rank_file(self, rank: int) -> str:
         return f"rank{rank}.{COMPILERS[self.compiler]}"
+
+    def rank_weights_file(self, rank: int) -> str | None:
+        """The file of rank ``rank``'s weights, or None when they are inside its program."""
+        return weights_file_name(rank) if self.weights == "safetensors" else None
+
+    def rank_files(self, rank: int) -> list[str]:
+        """Every file rank ``rank`` loads for its program: the program, and its weights when apart."""
+        return [self.rank_file(rank)] + ([w] if (w := self.rank_weights_file(rank)) else [])
 
     # I/O
     def save(self, engine_dir: str | Path) -> Path:
@@ -113,7 +128,7 @@ class EngineConfig:
         return cfg
 
     def check_files(self, engine_dir: Path) -> None:
-        missing = [self.rank_file(r) for r in range(self.tp_size) if not (engine_dir / self.rank_file(r)).is_file()]
+        missing = [f for r in range(self.tp_size) for f in self.rank_files(r) if not (engine_dir / f).is_file()]
         if not (engine_dir / self.tokenizer).is_file():
             missing.append(self.tokenizer)
         if missing:
@@ -251,8 +266,8 @@ def verify_engine_files(engine_dir: str | Path, cfg: EngineConfig, rank: int = 0
         return
     check_config_tie(engine_dir, json.loads((engine_dir / ENGINE_CONFIG_NAME).read_text()), manifest)
     files = manifest["files"]
-    mine = {cfg.rank_file(rank)}
-    others = {cfg.rank_file(r) for r in range(cfg.tp_size)} - mine
+    mine = set(cfg.rank_files(rank))
+    others = {f for r in range(cfg.tp_size) for f in cfg.rank_files(r)} - mine
     # this rank's programs and the shared files; other ranks' programs and the ONNX are not loaded here
     names = sorted(n for n in files if n not in others and not n.startswith("onnx/"))
     for name in sorted(mine - set(files)):

@@ -347,12 +347,13 @@ class Checkpoint:
 
 
 def count_nonfinite(t: torch.Tensor) -> int:
-    """NaN/Inf elements; fp8 by bit pattern (e4m3fn has no Inf: NaN is S.1111.111)."""
+    """NaN/Inf elements; fp8 by bit pattern (e4m3fn has no Inf: NaN is S.1111.111). count_nonzero,
+    not sum: a bool sum goes through int64, 8 bytes per element of the largest tensor in memory."""
     if t.dtype == torch.float8_e4m3fn:
-        return int(((t.view(torch.uint8) & 0x7F) == 0x7F).sum())
+        return int(torch.count_nonzero((t.view(torch.uint8) & 0x7F) == 0x7F))
     if t.dtype == torch.float8_e5m2:
-        return int(((t.view(torch.uint8) & 0x7C) == 0x7C).sum())
-    return int((~torch.isfinite(t)).sum()) if t.is_floating_point() else 0
+        return int(torch.count_nonzero((t.view(torch.uint8) & 0x7C) == 0x7C))
+    return int(torch.count_nonzero(~torch.isfinite(t))) if t.is_floating_point() else 0
 
 
 def _check_finite(path: Path, name: str, shard: Path, t: torch.Tensor) -> None:

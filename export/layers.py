@@ -25,9 +25,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight * xf).to(x.dtype)
+        # one aten.rms_norm node (x * rsqrt(mean(x^2) + eps) * weight, HF's formula) instead of six
+        return F.rms_norm(x.float(), (x.shape[-1],), self.weight, self.eps).to(x.dtype)
 
 
 class IndexerKNorm(nn.Module):

@@ -7,7 +7,7 @@ The same ExportedProgram feeds AOTInductor (here) and the ONNX/TensorRT path (bu
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Iterator
 
 import torch
 from torch.export import ExportedProgram, export
@@ -43,18 +43,53 @@ def build_network(
     experts stacked as stored (Checkpoint.stacked_experts: e4m3 + scales for fp8 checkpoints, never
     dequantised; bf16 otherwise); bf16 networks only. ``fp8_linears``: the fp8-block checkpoint's
     e4m3 Linears (but kv_b) stay e4m3 with their ``weight_scale_inv`` (W8A8); tp_size 1."""
-    cfg = ckpt.config
+    net = network_skeleton(ckpt, cache_mode, dtype, tp_rank, tp_size, expert_op, fp8_linears)
+    state = {name: t.to(device) for name, t in checkpoint_tensors(ckpt, net, tp_rank, tp_size, progress)}
+    net.load_state_dict(state, strict=True, assign=True)
+    # non-persistent buffers were created on meta: rebuild them on the target device
+    for name, t in derived_buffers(net).items():
+        set_tensor(net, name, t.to(device))
+    if kv_scales is not None:
+        net.set_kv_scales(kv_scales)
+    return net.eval()
+
+
+def network_skeleton(ckpt: Checkpoint, cache_mode: str, dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1,
+                     expert_op: bool = False, fp8_linears: bool = False) -> DSAForCausalLM:
+    """Rank ``tp_rank``'s network on the meta device: every tensor's name, dtype and shape, no data."""
     with torch.device("meta"):
-        net = DSAForCausalLM(cfg, cache_mode=cache_mode, dtype=dtype, tp_rank=tp_rank, tp_size=tp_size,
-                             expert_op=expert_op, fp8_linears=fp8_linears)
-    state = {}
-    stacked = {}  # layer -> its StackedExperts buffers by name
+        return DSAForCausalLM(ckpt.config, cache_mode=cache_mode, dtype=dtype, tp_rank=tp_rank, tp_size=tp_size,
+                              expert_op=expert_op, fp8_linears=fp8_linears)
+
+
+def derived_buffers(net: DSAForCausalLM) -> dict[str, torch.Tensor]:
+    """The non-persistent buffers (computed from the config, not stored in the checkpoint), on the CPU."""
+    out = {"inv_freq": net.cfg.rope_inv_freq()}
+    for i, _ in enumerate(net.model.layers):
+        out[f"model.layers.{i}.self_attn.indexer.hadamard"] = hadamard_matrix(net.cfg.index_head_dim)
+    return out
+
+
+def set_tensor(net: torch.nn.Module, name: str, t: torch.Tensor) -> None:
+    """Replace the buffer ``name`` (dotted) of ``net`` by ``t``."""
+    owner, _, leaf = name.rpartition(".")
+    net.get_submodule(owner)._buffers[leaf] = t
+
+
+def checkpoint_tensors(ckpt: Checkpoint, net: DSAForCausalLM, tp_rank: int = 0, tp_size: int = 1,
+                       progress: Progress | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, CPU tensor) for every persistent tensor of ``net`` (a skeleton), in module order (a
+    layer at a time), each as the network holds it: fp8 blocks dequantised then sliced by
+    export/sharding.py, or kept e4m3 with their scales (Fp8Linear, stacked experts). Only one
+    tensor (one layer's stacked experts) is alive at a time unless the caller keeps them."""
+    stacked = {}  # layer -> its StackedExperts buffers by name (the current layer only)
     items = list(net.state_dict().items())
     for name, param in progress(items) if progress else items:
         parts = name.split(".")
-        if expert_op and ".mlp.stacked_experts." in name:  # model.layers.L.mlp.stacked_experts.<buffer>
+        if ".mlp.stacked_experts." in name:  # model.layers.L.mlp.stacked_experts.<buffer>
             layer = int(parts[2])
             if layer not in stacked:
+                stacked.clear()
                 moe = net.model.layers[layer].mlp
                 stacked[layer] = dict(zip(StackedExperts.BUFFERS,
                                           ckpt.stacked_experts(layer, moe.expert_lo, moe.expert_hi), strict=True))
@@ -64,7 +99,7 @@ def build_network(
                                  f"the network expects {param.dtype}")
             if t.shape != param.shape:
                 raise ValueError(f"{name}: stacked experts {tuple(t.shape)}, the network expects {tuple(param.shape)}")
-            state[name] = t.to(device)
+            yield name, t
             continue
         if param.dtype == torch.float8_e4m3fn or name.endswith(".weight_scale_inv"):  # Fp8Linear, as stored
             t = ckpt.raw(name)
@@ -75,15 +110,7 @@ def build_network(
         if t.shape != param.shape:
             raise ValueError(f"{name}: rank {tp_rank}/{tp_size} shard has shape {tuple(t.shape)}, "
                              f"the network expects {tuple(param.shape)}")
-        state[name] = t.to(device)
-    net.load_state_dict(state, strict=True, assign=True)
-    # non-persistent buffers were created on meta: rebuild them on the target device
-    net.inv_freq = cfg.rope_inv_freq().to(device)
-    for layer in net.model.layers:
-        layer.self_attn.indexer.hadamard = hadamard_matrix(cfg.index_head_dim).to(device)
-    if kv_scales is not None:
-        net.set_kv_scales(kv_scales)
-    return net.eval()
+        yield name, t
 
 
 def example_step(cfg: ModelConfig, device="cpu") -> StepInputs:
@@ -102,5 +129,66 @@ def export_program(net: DSAForCausalLM, max_num_tokens: int = 8192, max_batch: i
     # dims and their bounds come from the step contract (dsa_trt/step.py): one symbol per name
     dims = export_dims(max_num_tokens=max_num_tokens, max_batch=max_batch, max_pages_per_seq=max_pages_per_seq)
     with torch.no_grad():
-        return export(net, step.as_tuple() + (mla, idx),
-                      dynamic_shapes=dynamic_shapes(dims, cfg.num_hidden_layers))
+        ep = export(net, step.as_tuple() + (mla, idx), dynamic_shapes=dynamic_shapes(dims, cfg.num_hidden_layers))
+    drop_noop_nodes(ep)
+    return ep
+
+
+def _same_shape(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return tuple(map(str, a.shape)) == tuple(map(str, b.shape))  # symbolic sizes by name: no guard added
+
+
+def drop_noop_nodes(ep: ExportedProgram) -> int:
+    """Remove what export leaves that computes nothing: the ``_assert_tensor_metadata`` check it adds
+    after every ``.to()`` (a dtype assertion of a value the graph already types), a ``view`` /
+    ``reshape`` to the shape its input has, and a ``to`` to the dtype its input has (both return
+    their input). Inductor drops them too, but only after every consumer (the node count, the
+    ONNX exporter) has walked them: ~60 of a V3.2 MoE layer's ~280 nodes. Then repeated pure
+    calls are merged (_merge_common_nodes). Returns the nodes removed."""
+    aten = torch.ops.aten
+    graph, dropped = ep.graph_module.graph, 0
+    for node in list(graph.nodes):
+        if node.op != "call_function":
+            continue
+        if node.target is aten._assert_tensor_metadata.default and not node.users:
+            graph.erase_node(node)
+            dropped += 1
+            continue
+        if node.target not in (aten.view.default, aten.reshape.default, aten.to.dtype):
+            continue
+        src, out = node.args[0], node.meta.get("val")
+        before = src.meta.get("val") if isinstance(src, torch.fx.Node) else None
+        if not isinstance(before, torch.Tensor) or not isinstance(out, torch.Tensor):
+            continue
+        if node.target is aten.to.dtype:
+            if node.kwargs.get("copy") or any(a is True for a in node.args[2:]) or before.dtype != out.dtype:
+                continue
+        elif not _same_shape(before, out) or before.dtype != out.dtype:
+            continue
+        node.replace_all_uses_with(src)
+        graph.erase_node(node)
+        dropped += 1
+    dropped += _merge_common_nodes(graph)
+    ep.graph_module.recompile()
+    return dropped
+
+
+def _merge_common_nodes(graph: torch.fx.Graph) -> int:
+    """One node for each pure aten call repeated on the same inputs: every layer reshapes the same
+    RoPE cos/sin, for instance. Only functional aten ops with a tensor input (no factory, no
+    mutation, no custom op: the dsa:: cache writes mutate their pools)."""
+    seen, merged = {}, 0
+    for node in list(graph.nodes):
+        schema = getattr(node.target, "_schema", None)
+        if (node.op != "call_function" or schema is None or schema.is_mutable or node.is_impure()
+                or not str(node.target).startswith("aten.")
+                or not any(isinstance(a, torch.fx.Node) for a in node.args)):
+            continue
+        key = (node.target, repr(node.args), repr(sorted(node.kwargs.items())))
+        if key in seen:
+            node.replace_all_uses_with(seen[key])
+            graph.erase_node(node)
+            merged += 1
+        else:
+            seen[key] = node
+    return merged

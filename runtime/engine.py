@@ -1,6 +1,8 @@
 """Engines: one per rank, ``forward(step, mla_pools, index_pools) -> logits`` (docs/architecture.md §6).
 
-``Engine.load(engine_dir)`` opens the compiled program of one rank of an engine directory; every
+``Engine.load(engine_dir)`` opens the compiled program of one rank of an engine directory (an
+AOTInductor package gets its weights from rank<N>.weights.safetensors, mapped, checked against
+the package's constant table, handed to load_constants: dsa_trt/weights_file.py); every
 step, prefill or decode, runs it (one path for every token: docs/architecture.md §8). Both AOTInductor packages and TensorRT plans implement the same call; the eager network (the
 reference path, built by the builder) implements it too.
 """
@@ -19,6 +21,7 @@ import dsa_trt.plugins.collectives  # noqa: F401  (dsa::all_reduce, called by te
 import dsa_trt.plugins.ops  # noqa: F401  (registers torch.ops.dsa.* before any program loads)
 from dsa_trt.engine_config import EngineConfig, EngineDirError, verify_engine_files
 from dsa_trt.package_check import PackageLinkError, check_package
+from dsa_trt.weights_file import WeightsFileError, check_against_table, constant_table, map_weights
 
 from .step_inputs import StepInputs
 
@@ -53,6 +56,8 @@ class Engine:
                 raise EngineDirError(str(e)) from e
         if cfg.compiler == "aoti":
             program = _load_aoti(engine_dir / cfg.rank_file(rank), dev)
+            if (weights := cfg.rank_weights_file(rank)) is not None:
+                program = _with_weights(program, engine_dir / cfg.rank_file(rank), engine_dir / weights, dev)
         elif cfg.compiler == "tensorrt":
             from .tensorrt_engine import load_plan  # thin adapter; needs `import tensorrt`
 
@@ -90,6 +95,36 @@ def _load_aoti(path: Path, device: torch.device) -> Program:
         except Exception as e:  # noqa: BLE001 - a corrupt or foreign package: say which file
             raise EngineDirError(f"{path}: cannot load this AOTInductor package ({type(e).__name__}: {e}); "
                                  "it may come from another torch version or device: rebuild it") from e
+
+
+class AotiProgram:
+    """A loaded package and the weights it points into: ``load_constants(user_managed=True)`` keeps
+    raw pointers, so the tensors (and on the CPU the file mapping they view) live as long as this."""
+
+    def __init__(self, program, weights: dict[str, torch.Tensor], mapping) -> None:
+        self.program, self.weights, self.mapping = program, weights, mapping
+
+    def __call__(self, *args):
+        return self.program(*args)
+
+
+def _with_weights(program, package: Path, weights_path: Path, device: torch.device) -> AotiProgram:
+    """Map ``weights_path``, check it against the package's constant table, hand it to the program.
+
+    CPU: the tensors are views of a private mapping of the file (no copy; pages are read on first
+    use). CUDA: one host-to-device copy per tensor, then the mapping is dropped."""
+    try:
+        table = constant_table(package)
+        mapped = map_weights(weights_path)
+        check_against_table(weights_path, mapped.tensors, table, program.get_constant_fqns())
+    except WeightsFileError as e:
+        raise EngineDirError(str(e)) from None
+    tensors, mapping = {n: mapped.tensors[n] for n in table}, mapped.mapping
+    if device.type != "cpu":
+        tensors = {n: t.to(device) for n, t in tensors.items()}
+        mapping = None
+    program.load_constants(tensors, check_full_update=True, user_managed=True)
+    return AotiProgram(program, tensors, mapping)
 
 
 def eager_engine(net, config: EngineConfig, device: torch.device, tokenizer_path: Path) -> Engine:
