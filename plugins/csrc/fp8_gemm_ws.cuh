@@ -47,7 +47,9 @@
 //
 // Per K block a consumer issues 4 x wgmma k32 into a zeroed fp32 accumulator, waits for them, and
 // promotes: total += acc * (s_x * s_w) (the official fp8_gemm's per-block fp32 scaling), while the
-// other warpgroup's wgmmas keep the tensor cores busy.
+// other warpgroup's wgmmas keep the tensor cores busy. kPipe (prefill, DSA_FP8_LINEAR_PATH=tma-pipe)
+// double-buffers the accumulator instead: block b + 1's wgmmas are in flight while block b is
+// promoted (wgmma_wait<1>); block b's stage is released as soon as its wgmmas completed, as before.
 //
 // Programmatic dependent launch: launched after the activation quantiser, the producer first loads
 // the weight tiles of its first kStages stages (which do not depend on it), then waits
@@ -264,7 +266,12 @@ __device__ __forceinline__ void producer(const WsArgs& g, const CUtensorMap* map
 }
 
 // Consumer warpgroup c (0, 1) of the CTA; ct = its thread index (0..127).
-template <bool kSwap, int BT, bool kF32Out, int kMc>
+// kPipe (prefill only): two accumulator sets; K block b + 1's wgmmas are issued before block b is
+// waited for (wgmma_wait<1>) and promoted, so this warpgroup's tensor-core queue never drains
+// while it promotes, releases and waits for the next stage. Without it both warpgroups wait on
+// the same full barrier, issue, drain (wait<0>) and promote in lock-step, and the tensor cores
+// idle for every promotion. Costs 64 more registers per thread (3 x 64 fp32 of 232).
+template <bool kSwap, int BT, bool kF32Out, int kMc, bool kPipe>
 __device__ __forceinline__ void consumer(const WsArgs& g, uint8_t* smem, uint32_t full0, uint32_t empty0, int units,
                                          int c, int cluster, int clusters, int rank) {
   using L = WsTile<kSwap, BT>;
@@ -294,7 +301,79 @@ __device__ __forceinline__ void consumer(const WsArgs& g, uint8_t* smem, uint32_
     float total[R], acc[R];
 #pragma unroll
     for (int j = 0; j < R; ++j) total[j] = 0.f;
-    for (int kb = w.kb_begin; kb < w.kb_end; ++kb) {
+    if constexpr (kPipe) {
+      static_assert(!kSwap, "the pipelined mainloop is the prefill tile's");
+      float acc2[R];
+      // issue K block kb (stage s) into `a`; returns its weight scale
+      auto issue = [&](float(&a)[R], int kb, int stage, uint32_t ph) {
+        const float sw = __ldg(ws + kb);
+        uint8_t* st = smem + stage * L::kStage;
+        mbar_wait(full0 + 8 * stage, ph);
+        const uint64_t da = dsa_fp8::make_desc_sw128(st + L::kW + c * 64 * kBlock);
+        const uint64_t db = dsa_fp8::make_desc_sw128(st);
+#pragma unroll
+        for (int j = 0; j < R; ++j) dsa_fp8::fence_operand(a[j]);
+        dsa_wgmma::wgmma_fence();
+        dsa_fp8_mma::SS<kTileM>::run(a, da + 0, db + 0, 0);
+        dsa_fp8_mma::SS<kTileM>::run(a, da + 2, db + 2, 1);
+        dsa_fp8_mma::SS<kTileM>::run(a, da + 4, db + 4, 1);
+        dsa_fp8_mma::SS<kTileM>::run(a, da + 6, db + 6, 1);
+        dsa_wgmma::wgmma_commit();
+        return sw;
+      };
+      // promote `a` (its group completed) with stage `stage`'s token scales, then release it
+      auto promote = [&](float(&a)[R], float sw, int stage) {
+#pragma unroll
+        for (int j = 0; j < R; ++j) dsa_fp8::fence_operand(a[j]);
+        const float* sx = reinterpret_cast<const float*>(smem + stage * L::kStage + L::kW + L::kX);
+        const float s0 = sw * sx[r_lo], s1 = sw * sx[r_lo + 8];
+        release(stage);
+#pragma unroll
+        for (int j = 0; j < R / 4; ++j) {
+          total[4 * j + 0] = fmaf(a[4 * j + 0], s0, total[4 * j + 0]);
+          total[4 * j + 1] = fmaf(a[4 * j + 1], s0, total[4 * j + 1]);
+          total[4 * j + 2] = fmaf(a[4 * j + 2], s1, total[4 * j + 2]);
+          total[4 * j + 3] = fmaf(a[4 * j + 3], s1, total[4 * j + 3]);
+        }
+      };
+      auto advance = [&] {
+        if (++s == S) {
+          s = 0;
+          phase ^= 1;
+        }
+      };
+      // the K loop unrolled by two so each accumulator set stays in fixed registers
+      int kb = w.kb_begin, prev = s;
+      float sw_prev = issue(acc, kb, s, phase);
+      advance();
+      for (++kb;; kb += 2) {
+        if (kb >= w.kb_end) {
+          dsa_wgmma::wgmma_wait<0>();
+          promote(acc, sw_prev, prev);
+          break;
+        }
+        int cur = s;
+        float sw_cur = issue(acc2, kb, s, phase);
+        advance();
+        dsa_wgmma::wgmma_wait<1>();  // acc's group completed, acc2's in flight
+        promote(acc, sw_prev, prev);
+        prev = cur;
+        sw_prev = sw_cur;
+        if (kb + 1 >= w.kb_end) {
+          dsa_wgmma::wgmma_wait<0>();
+          promote(acc2, sw_prev, prev);
+          break;
+        }
+        cur = s;
+        sw_cur = issue(acc, kb + 1, s, phase);
+        advance();
+        dsa_wgmma::wgmma_wait<1>();
+        promote(acc2, sw_prev, prev);
+        prev = cur;
+        sw_prev = sw_cur;
+      }
+    }
+    for (int kb = w.kb_begin; !kPipe && kb < w.kb_end; ++kb) {
       const float sw = __ldg(ws + kb);
       uint8_t* st = smem + s * L::kStage;
       mbar_wait(full0 + 8 * s, phase);
@@ -415,7 +494,7 @@ __device__ __forceinline__ void consumer(const WsArgs& g, uint8_t* smem, uint32_
   }
 }
 
-template <bool kSwap, int BT, bool kF32Out, int kMc>
+template <bool kSwap, int BT, bool kF32Out, int kMc, bool kPipe = false>
 __global__ void __launch_bounds__(kThreads, 1)
     fp8_gemm_ws_kernel(const WsArgs g, const __grid_constant__ CUtensorMap map_w,
                        const __grid_constant__ CUtensorMap map_x, const __grid_constant__ CUtensorMap map_s) {
@@ -453,7 +532,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     // Consumers read only what the producer's TMA loads (ordered by the mbarriers) and w_scale
     // (not written by the quantiser); their output stores follow the producer's wait.
     asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-    consumer<kSwap, BT, kF32Out, kMc>(g, smem, full0, empty0, units, threadIdx.x / 128 - 1, cluster, clusters, rank);
+    consumer<kSwap, BT, kF32Out, kMc, kPipe>(g, smem, full0, empty0, units, threadIdx.x / 128 - 1, cluster, clusters, rank);
   }
   // No CTA leaves while its peer may still arrive on its barriers (every multicast into this CTA
   // was consumed here already: its consumers waited for the stages).
