@@ -23,6 +23,8 @@ def lib() -> ctypes.CDLL:
     if not path.exists():
         pytest.skip(f"{path} not built (make kernels)")
     d = ctypes.CDLL(str(path))
+    if not hasattr(d, "dsa_fp8_block_linear_path"):
+        pytest.fail(f"{path} is a stale build (no dsa_fp8_block_linear_path): rebuild it with `make kernels`")
     d.dsa_fp8_block_linear_path.restype = ctypes.c_char_p
     d.dsa_fp8_block_linear_path.argtypes = [ctypes.c_int64, ctypes.c_int, ctypes.c_int]
     d.dsa_fp8_block_linear_workspace_size.restype = ctypes.c_size_t
