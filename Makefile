@@ -3,7 +3,12 @@ SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-CHECKPOINT ?= checkpoints/tiny-v32
+CHECKPOINT ?= checkpoints/tiny-v32-trained
+# How a missing $(CHECKPOINT) is written: the embedded tiny V3.2 with the weights trained on
+# export/data/corpus.txt (export/train_tiny.py); the random one (the tests' checkpoint):
+# make engine CHECKPOINT=checkpoints/tiny-v32 TINY_ARGS="--seed 0"
+TINY_ARGS ?= --trained
+TRAINED_WEIGHTS := export/data/tiny_trained.safetensors
 OUT ?= engines/tiny-v32
 TP ?= 1
 CACHE ?= fp8
@@ -30,12 +35,17 @@ $(VENV)/.installed: pyproject.toml
 setup: $(VENV)/.installed
 
 $(CHECKPOINT)/config.json: | setup
-	$(PY) -m dsa_trt.export.tiny_checkpoint $(CHECKPOINT)
+	$(PY) -m dsa_trt.export.tiny_checkpoint $(CHECKPOINT) $(TINY_ARGS)
 
+# The default checkpoint is rewritten when the committed trained weights change.
+checkpoints/tiny-v32-trained/config.json: $(TRAINED_WEIGHTS)
+
+# The prompts open paragraphs of the corpus the default model was trained on: it continues them.
 engine: setup $(CHECKPOINT)/config.json
 	$(PY) -m dsa_trt.builder.build --checkpoint $(CHECKPOINT) --out $(OUT) --tp $(TP) --cache $(CACHE) --compiler $(COMPILER)
-	$(PY) -m dsa_trt.runtime.cli generate --engine $(OUT) --max-tokens 24 --temperature 0 \
-		--prompt "The quick brown fox" --prompt "Once upon a time, in a small village" --prompt "Hello"
+	$(PY) -m dsa_trt.runtime.cli generate --engine $(OUT) --max-tokens 32 --temperature 0 \
+		--prompt "In the first week of January the sea" --prompt "Bread is made of four things:" \
+		--prompt "Why do the stars twinkle?"
 
 test: setup
 	$(PY) -m pytest -q -ra $(PYTEST_ARGS)

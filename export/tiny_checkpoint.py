@@ -19,6 +19,9 @@ weights instead, streamed one tensor at a time:
 
 ``write_trained_checkpoint`` (``--trained``) writes the same format with the weights trained on
 the corpus by ``export/train_tiny.py`` (committed as ``data/tiny_trained.safetensors``) instead.
+That is the demo's default (``make engine`` writes ``checkpoints/tiny-v32-trained`` with it); the
+plain command stays the random seed-0 checkpoint, the tests' oracle checkpoint (conftest's
+``tiny_ckpt``), whose fidelity margins were tuned on random weights (LM_HEAD_STD).
 """
 
 from __future__ import annotations
@@ -393,7 +396,8 @@ def main(argv: list[str] | None = None) -> None:
     real.add_argument("--vocab-size", type=int, default=None, help="default 129280")
     real.add_argument("--mtp-layers", type=int, default=None, help="MTP layers stored after the last (default 0)")
     parser.add_argument(
-        "--trained", action="store_true", help=f"the weights trained on the corpus ({TRAINED_WEIGHTS_PATH.name})"
+        "--trained", action="store_true",
+        help=f"the weights trained on the corpus ({TRAINED_WEIGHTS_PATH.name}; what `make engine` writes)"
     )
     args = parser.parse_args(argv)
     overrides = {k: v for k in ("layers", "experts", "dense_layers", "vocab_size", "mtp_layers")

@@ -62,17 +62,26 @@ class Recipe:
     """Every knob of the run; the committed weights come from the defaults."""
 
     seed: int = 0
-    steps: int = 150
-    dense_steps: int = 100  # indexer warm-up with top-k off; the rest trains with top-k on
-    batch: int = 4
-    seq_len: int = 128  # tokens after BOS per window
-    lr: float = 3e-3
+    steps: int = 600
+    dense_steps: int = 380  # indexer warm-up with top-k off; the rest trains with top-k on
+    batch: int = 8
+    seq_len: int = 128  # tokens after BOS per window (~280 characters: half a corpus paragraph)
+    # Windows that start at a line start (the rest start anywhere): prompts are line starts
+    # after BOS, so the model must have seen that context, not only mid-sentence windows.
+    line_start_fraction: float = 0.5
+    # Batch rows the indexer KL trains on. The indexer (64 heads x 128) is ~40% of the step's
+    # FLOPs, and with top-k off its selection does not affect the main model, so dense steps
+    # score only these rows; sparse steps score all rows (the selection) but train on these.
+    indexer_rows: int = 2
+    # 3e-3 collapses the main model's attention to one-hot patterns it cannot leave (its loss
+    # stalls at a bigram model's while the MTP layer, which sees two tokens, keeps improving).
+    lr: float = 1e-3
     min_lr_ratio: float = 0.1
-    warmup_steps: int = 20
-    weight_decay: float = 0.1
+    warmup_steps: int = 30
+    weight_decay: float = 0.01  # memorising the corpus is the goal at this size
     grad_clip: float = 1.0
     bias_update_speed: float = 1e-3  # DeepSeek-V3's gamma for the expert-balancing bias
-    log_every: int = 20
+    log_every: int = 10
 
 
 # ----------------------------------------------------------------------------- the data
@@ -91,10 +100,30 @@ def corpus_split(corpus: Path = CORPUS_PATH) -> tuple[str, list[str]]:
     return "\n".join(train), held_out
 
 
-def sample_windows(stream: torch.Tensor, batch: int, length: int, generator: torch.Generator) -> torch.Tensor:
+def line_starts(text: str, offsets: list[tuple[int, int]]) -> torch.Tensor:
+    """Token indices (into the encoding of ``text`` with character ``offsets``) at which a
+    non-empty line begins."""
+    starts, pos = set(), 0
+    for line in text.split("\n"):
+        if line.strip():
+            starts.add(pos)
+        pos += len(line) + 1
+    return torch.tensor([i for i, (a, _) in enumerate(offsets) if a in starts], dtype=torch.long)
+
+
+def sample_windows(
+    stream: torch.Tensor, batch: int, length: int, generator: torch.Generator,
+    starts: torch.Tensor | None = None, start_fraction: float = 0.0,
+) -> torch.Tensor:
     """[batch, 1 + length + 1]: BOS, then length + 1 consecutive tokens from a random offset
-    (one more than the main model reads, for the MTP layer's next-next target)."""
-    offsets = torch.randint(0, stream.numel() - length - 1, (batch,), generator=generator)
+    (one more than the main model reads, for the MTP layer's next-next target). The first
+    round(batch * start_fraction) rows start at a random one of ``starts`` instead."""
+    last = stream.numel() - length - 1
+    offsets = torch.randint(0, last, (batch,), generator=generator)
+    aligned = round(batch * start_fraction) if starts is not None else 0
+    if aligned:
+        picks = starts[torch.randint(0, starts.numel(), (aligned,), generator=generator)]
+        offsets[:aligned] = picks.clamp(max=last - 1)
     rows = [stream[o : o + length + 1] for o in offsets.tolist()]
     bos = torch.zeros(batch, 1, dtype=torch.long)  # BOS id 0 (tiny_checkpoint.TINY_CONFIG)
     return torch.cat([bos, torch.stack(rows)], dim=1)
@@ -159,13 +188,16 @@ def build_models(seed: int):
 
 # ----------------------------------------------------------------------------- recording
 class IndexerTap:
-    """Stands in for an HF indexer's forward while training: computes its scores once,
+    """Stands in for an HF indexer's forward while training: computes its scores,
     differentiably and from detached inputs (HF's forward runs under no_grad and returns only
-    the indices), keeps them for the KL loss and returns their top-k as HF does."""
+    the indices), keeps those of the first ``rows`` batch rows for the KL loss and returns the
+    top-k as HF does. ``dense`` (top-k off): every key is selected, so only those rows are scored."""
 
     def __init__(self, indexer: nn.Module) -> None:
         self.indexer = indexer
-        self.scores: torch.Tensor | None = None  # [B, S, T]
+        self.rows: int | None = None  # None: every row
+        self.dense = False
+        self.scores: torch.Tensor | None = None  # [rows, S, T]
         self.selected: torch.Tensor | None = None  # [B, S, k]
         indexer.forward = self.forward  # instance attribute: shadows the class's forward
 
@@ -173,13 +205,30 @@ class IndexerTap:
         if cache is not None:
             raise ValueError("IndexerTap is for cache-less training forwards (use_cache=False)")
         cos, sin = position_embeddings
-        self.scores = indexer_scores(self.indexer, hidden_states.detach(), q_resid.detach(), cos, sin, attention_mask)
-        topk = min(self.indexer.index_topk, self.scores.shape[-1])
-        self.selected = self.scores.detach().topk(topk, dim=-1).indices
+        x, q, mask = hidden_states.detach(), q_resid.detach(), attention_mask
+        b, s, t = x.shape[0], x.shape[1], attention_mask.shape[-1]
+        r = b if self.rows is None else min(self.rows, b)
+        self.scores = indexer_scores(self.indexer, *(_rows(v, 0, r) for v in (x, q, cos, sin, mask)))
+        if self.dense:
+            # Every key (the causal mask removes the future ones): the scores' order is irrelevant.
+            self.selected = torch.arange(t).expand(b, s, t)
+            return self.selected.to(torch.int32)
+        scores = self.scores.detach()
+        if r < b:
+            with torch.no_grad():
+                rest = indexer_scores(self.indexer, *(_rows(v, r, b) for v in (x, q, cos, sin, mask)))
+            scores = torch.cat([scores, rest])
+        topk = min(self.indexer.index_topk, t)
+        self.selected = scores.topk(topk, dim=-1).indices
         return self.selected.to(torch.int32)
 
     def remove(self) -> None:
         del self.indexer.forward
+
+
+def _rows(t: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """Batch rows [start, stop) of ``t``; a batch dim of 1 (rope tables, masks) broadcasts."""
+    return t if t.shape[0] == 1 else t[start:stop]
 
 
 class Recorder:
@@ -239,7 +288,10 @@ def indexer_scores(indexer: nn.Module, x, q_resid, cos, sin, mask) -> torch.Tens
 def indexer_kl(scores: torch.Tensor, selected: torch.Tensor, probs: torch.Tensor, sparse: bool) -> torch.Tensor:
     """Mean over queries of KL(p_t || softmax(I_t)), p_t = attention ``probs`` [B, H, S, T] summed
     over heads and L1-normalised, I = ``scores`` [B, S, T]. ``sparse``: both distributions
-    restricted to the ``selected`` keys [B, S, k] (the attention is already)."""
+    restricted to the ``selected`` keys [B, S, k] (the attention is already). Only the first
+    ``scores.shape[0]`` rows count (the rows the indexer trains on)."""
+    rows = scores.shape[0]
+    probs, selected = probs[:rows], selected[:rows]
     target = probs.sum(dim=1)  # [B, S, T]
     target = target / target.sum(dim=-1, keepdim=True)
     if sparse:
@@ -270,7 +322,9 @@ def train(recipe: Recipe = Recipe(), log=print):
     torch.manual_seed(recipe.seed)
     tokenizer = train_tokenizer()
     train_text, _ = corpus_split()
-    stream = torch.tensor(tokenizer.encode(train_text, add_special_tokens=False).ids, dtype=torch.long)
+    encoding = tokenizer.encode(train_text, add_special_tokens=False)
+    stream = torch.tensor(encoding.ids, dtype=torch.long)
+    starts = line_starts(train_text, encoding.offsets)
     main, mtp = build_models(recipe.seed)
     main.train()
     mtp.train()
@@ -288,19 +342,25 @@ def train(recipe: Recipe = Recipe(), log=print):
         betas=(0.9, 0.95),
     )
     recorder = Recorder(attentions, routers)
+    for tap in recorder.taps:
+        tap.rows = recipe.indexer_rows
     layer_inputs: dict = {}
     capture = main.model.layers[0].register_forward_pre_hook(
         lambda module, args, kwargs: layer_inputs.update(kwargs), with_kwargs=True
     )
     generator = torch.Generator().manual_seed(recipe.seed)
     start = time.process_time()
-    log(f"training: {stream.numel()} tokens, {sum(p.numel() for p in params) / 1e6:.2f}M parameters, {recipe}")
+    log(f"training: {stream.numel()} tokens ({starts.numel()} line starts), {sum(p.numel() for p in params) / 1e6:.2f}M parameters, {recipe}")
     for step in range(recipe.steps):
         sparse = step >= recipe.dense_steps
         _set_index_topk(attentions, index_topk if sparse else recipe.seq_len + 1)
+        for tap in recorder.taps:
+            tap.dense = not sparse
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, recipe)
-        ids = sample_windows(stream, recipe.batch, recipe.seq_len, generator)  # [B, L + 2]
+        ids = sample_windows(  # [B, L + 2]
+            stream, recipe.batch, recipe.seq_len, generator, starts, recipe.line_start_fraction
+        )
         inputs, targets, targets2 = ids[:, :-2], ids[:, 1:-1], ids[:, 2:]
         hidden = main.model(input_ids=inputs, use_cache=False).last_hidden_state  # [B, L + 1, D]
         main_loss = F.cross_entropy(main.lm_head(hidden).flatten(0, 1), targets.flatten())

@@ -9,6 +9,9 @@ computed here, not written down.
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -27,6 +30,7 @@ from dsa_trt.export.tiny_checkpoint import (  # noqa: E402
 )
 from dsa_trt.export.train_tiny import (  # noqa: E402
     EVAL_MAX_TOKENS,
+    Recipe,
     corpus_split,
     indexer_scores,
     load_mtp,
@@ -135,6 +139,21 @@ def test_missing_or_mismatched_weights_file(tmp_path):
         write_trained_checkpoint(tmp_path / "out", weights=tmp_path / "bad.safetensors")
 
 
+def test_short_training_run_is_bitwise_reproducible(tmp_path):
+    """Two fresh processes running the script (3 steps: both the dense and the sparse stage)
+    write the same bytes; the committed weights record the default recipe that made them."""
+    from safetensors import safe_open
+
+    outs = [tmp_path / f"run{i}.safetensors" for i in range(2)]
+    for out in outs:
+        subprocess.run([sys.executable, "-m", "dsa_trt.export.train_tiny", "--steps", "3", "--dense-steps", "1",
+                        "--no-eval", "--out", str(out)], check=True, capture_output=True, timeout=600)
+    assert outs[0].read_bytes() == outs[1].read_bytes()
+    assert outs[0].read_bytes() != TRAINED_WEIGHTS_PATH.read_bytes()
+    with safe_open(str(TRAINED_WEIGHTS_PATH), "pt") as f:
+        assert f.metadata()["recipe"] == repr(Recipe()), "regenerate with `python -m dsa_trt.export.train_tiny`"
+
+
 # ------------------------------------------------------------------------------ the model
 def test_heldout_perplexity_far_below_random(trained_hf, random_hf, heldout, one_thread):
     trained, random = _perplexity(trained_hf, heldout), _perplexity(random_hf, heldout)
@@ -146,18 +165,54 @@ def test_heldout_perplexity_far_below_random(trained_hf, random_hf, heldout, one
     assert trained < random / 1000, (trained, random)
 
 
-def test_greedy_continuation_is_not_degenerate(trained_hf, heldout, one_thread):
-    """Greedy 32 tokens after held-out prompts of 24 tokens (sparse regime) are not one repeated
-    token. A low bar, stated as such: the 150-step model still falls into short loops ("the coes,
-    the boes,"), and a corpus-word count does not separate it from the random model (BPE pieces
-    of random tokens are corpus words too); the perplexity test carries the quality claim."""
+def _training_prompts(tokenizer, count: int = 8):
+    """(prompt, corpus continuation) token pairs from ``count`` training paragraphs spread over
+    the corpus: BOS + the first PROMPT_TOKENS tokens, then the paragraph's next NEW_TOKENS."""
+    train_text, _ = corpus_split()
+    paragraphs = [ids for line in train_text.splitlines()
+                  if len(ids := tokenizer.encode(line).ids) > PROMPT_TOKENS + 1 + NEW_TOKENS]
+    picked = paragraphs[:: max(1, len(paragraphs) // count)][:count]
+    n = PROMPT_TOKENS + 1
+    return [(torch.tensor([ids[:n]]), ids[n : n + NEW_TOKENS]) for ids in picked]
+
+
+def _corpus_match(model, pairs) -> float:
+    """Fraction of greedy tokens equal to the corpus continuation at the same position."""
+    equal = 0
+    for prompt, reference in pairs:
+        out = _greedy(model, prompt)[0, prompt.shape[1]:].tolist()
+        equal += sum(a == b for a, b in zip(out, reference))
+    return equal / sum(len(r) for _, r in pairs)
+
+
+def test_greedy_continues_corpus_text(trained_hf, random_hf, one_thread):
+    """Greedy 32 tokens after the first 24 tokens of training paragraphs (sparse regime: the
+    prompt alone exceeds index_topk) follow the corpus continuation far more often than chance
+    (the goal, memorised text, needs a longer run than the committed one)."""
+    tokenizer = train_tokenizer()
+    pairs = _training_prompts(tokenizer)
+    assert len(pairs) >= 6
+    for prompt, reference in pairs[:3]:
+        out = _greedy(trained_hf, prompt)[0, prompt.shape[1]:].tolist()
+        print(f"{tokenizer.decode(prompt[0, 1:].tolist())!r} -> {tokenizer.decode(out)!r}")
+    trained, random = _corpus_match(trained_hf, pairs), _corpus_match(random_hf, pairs)
+    print(f"greedy tokens equal to the corpus continuation: trained {trained:.1%}, random {random:.1%}")
+    # Margins, not measured values: a random model matches ~1/vocab of the tokens (0.4%), the
+    # earlier 150-step model 3%; the committed 600-step one ~10%, not yet memorised text.
+    assert random < 0.02, random
+    assert trained > 0.05, (trained, random)
+
+
+def test_greedy_continuation_of_heldout_lines_is_not_degenerate(trained_hf, heldout, one_thread):
+    """Prompts the model never saw (held-out paragraphs) still continue with varied tokens, not
+    one repeated token or a two-token loop."""
     tokenizer = train_tokenizer()
     for ids in heldout[:4]:
         prompt = ids[:, :PROMPT_TOKENS]
         out = _greedy(trained_hf, prompt)[0, prompt.shape[1]:].tolist()
         text = tokenizer.decode(out)
         print(f"{tokenizer.decode(prompt[0, 1:].tolist())!r} -> {text!r}")
-        assert len(set(out)) > NEW_TOKENS // 5, text
+        assert len(set(out)) > NEW_TOKENS // 4, text
 
 
 def test_training_scores_are_hf_indexer_scores(trained_hf, heldout, one_thread):
