@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from dsa_trt.engine_config import EngineConfig, EngineDirError
 from dsa_trt.plugins.pools import allocate_pools
-from dsa_trt.step import STEP_DIMS, STEP_FIELDS, StepInputs
+from dsa_trt.step import ROW, STEP_DIMS, STEP_FIELDS, StepInputs
 
 from .engine import Engine
 
@@ -56,6 +56,26 @@ def init_process_group(device: str | None = None) -> tuple[int, int, torch.devic
     if not dist.is_initialized():
         dist.init_process_group("nccl" if use_cuda else "gloo")
     return dist.get_rank(), dist.get_world_size(), dev
+
+
+def pad_step_tokens(step: StepInputs, num_tokens: int) -> StepInputs:
+    """``step`` with padding tokens appended up to ``num_tokens``: slot -1 (they write nowhere),
+    position 0 of page-table row 0 (one valid key), token id 0; ``logits_indices`` unchanged, so
+    the logits are the unpadded step's. Context parallelism pads to a multiple of the group size,
+    data-parallel attention pads every rank's step to the largest."""
+    have = step.input_ids.shape[0]
+    if num_tokens < have:
+        raise ValueError(f"pad_step_tokens: the step has {have} tokens, more than {num_tokens}")
+    if num_tokens == have:
+        return step
+    padded = []
+    for f in STEP_FIELDS:
+        t = getattr(step, f.name)
+        if f.dims[0] == "tokens":
+            value = 0 if f.pad in (None, ROW) else f.pad
+            t = torch.cat([t, t.new_full((num_tokens - have, *t.shape[1:]), value)])
+        padded.append(t)
+    return StepInputs(*padded)
 
 
 def _shapes(header: list[int]) -> list[tuple[int, ...]]:
