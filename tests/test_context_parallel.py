@@ -1,0 +1,119 @@
+"""Context-parallel prefill, interleaved (docs/architecture.md §7), on CPU processes over gloo.
+
+A step's token i runs on rank i % p; the ranks all-gather the MLA latents and indexer keys before
+the cache writes, so every rank's caches hold the whole step, and each rank's queries attend
+over them; the rows whose logits are needed are assembled after the last layer. CP=2 and CP=4,
+with every expert on every rank and with the expert-parallel exchange (CP x EP over the same
+ranks), give the one-rank logits for: a ragged two-sequence prefill on scattered pages (longer
+than top-k, so the indexer really selects), a decode step of both sequences, and a fresh prompt
+of p - 1 tokens (shorter than p: some ranks hold only padding). After the steps, every rank's
+MLA and indexer pools equal the one-rank pools.
+
+Tolerances: fp32 network and caches: logits 1e-4, pools 1e-5 (only the GEMM row batches and
+summation orders differ; measured 9e-6 / 2e-6); fp8 caches: logits 2e-2 (an fp32-order change
+can move a latent across an e4m3 rounding boundary; the bound of test_tensor_parallel.py) and
+pools are compared only through the logits.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dsa_trt.export.checkpoint import Checkpoint
+from dsa_trt.export.parallel import ParallelConfig, build_parallel_network
+from dsa_trt.export.program import build_network
+from dsa_trt.plugins.pools import allocate_pools
+from dsa_trt.runtime.distributed import pad_step_tokens
+from dsa_trt.runtime.step_inputs import StepInputs
+
+from .helpers.ranks import join_group, spawn
+
+NUM_PAGES = 16
+FP8_SCALES = [0.0114, 0.012, 0.0116]  # what calibration gives the tiny checkpoint (any fixed value would do)
+TOL = {"fp32": 1e-4, "fp8": 2e-2}
+POOL_TOL = 1e-5
+
+
+def _steps(world: int) -> list[StepInputs]:
+    prefill = StepInputs.build([(list(range(2, 92)), 0, [7, 3]), (list(range(5, 35)), 0, [11])])
+    decode = StepInputs.build([([17], 90, [7, 3]), ([9], 30, [11])])
+    short = StepInputs.build([(list(range(60, 60 + world - 1)), 0, [5])])  # shorter than p
+    return [prefill, decode, short]
+
+
+def _padded(step: StepInputs, world: int) -> StepInputs:
+    n = step.input_ids.shape[0]
+    return pad_step_tokens(step, -(-n // world) * world)
+
+
+@torch.no_grad()
+def _run(net, steps, cfg, cache_mode):
+    pools = allocate_pools(cfg, cache_mode, NUM_PAGES)
+    logits = [net(*s.as_tuple(), *pools) for s in steps]
+    return logits, pools
+
+
+VARIANTS = (("fp32", False), ("fp32", True), ("fp8", True))  # (cache mode, expert parallel)
+
+
+def _worker(rank, world, port, out_dir, ckpt_dir):
+    join_group(rank, world, port)
+    ckpt = Checkpoint(ckpt_dir)
+    steps = [_padded(s, world) for s in _steps(world)]
+    result = {}
+    for mode, ep in VARIANTS:
+        pc = ParallelConfig(size=world, rank=rank, expert_parallel=ep, context_parallel=True)
+        net = build_parallel_network(ckpt, mode, torch.float32, pc, FP8_SCALES if mode == "fp8" else None)
+        logits, pools = _run(net, steps, ckpt.config, mode)
+        result[(mode, ep)] = {"logits": logits, "pools": pools if mode == "fp32" else None}
+    dist.barrier()
+    torch.save(result, Path(out_dir) / f"rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def one_rank(tiny_ckpt):
+    ckpt = Checkpoint(tiny_ckpt)
+    out = {}
+    for world in (2, 4):
+        for mode in ("fp32", "fp8"):
+            net = build_network(ckpt, mode, torch.float32, FP8_SCALES if mode == "fp8" else None)
+            out[(world, mode)] = _run(net, _steps(world), ckpt.config, mode)
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_context_parallel_equals_one_rank(tiny_ckpt, one_rank, tmp_path, world):
+    results = spawn(_worker, world, tmp_path, str(tiny_ckpt))
+    for mode, ep in VARIANTS:
+        want_logits, want_pools = one_rank[(world, mode)]
+        worst, worst_pool = 0.0, 0.0
+        for rank, res in enumerate(results):
+            got = res[(mode, ep)]
+            what = f"CP={world} {'EP ' if ep else ''}{mode} rank {rank}"
+            for i, (g, w) in enumerate(zip(got["logits"], want_logits)):
+                assert g.shape == w.shape, f"{what} step {i}: logits {tuple(g.shape)} vs {tuple(w.shape)}"
+                err = (g - w).abs().max().item()
+                assert err < TOL[mode], f"{what} step {i}: max |logit diff| vs one rank {err:.3g} (tol {TOL[mode]})"
+                worst = max(worst, err)
+            if got["pools"] is not None:  # every rank holds the whole step in its caches
+                for kind, gp, wp in zip(("mla", "index"), got["pools"], want_pools):
+                    for layer, (g, w) in enumerate(zip(gp, wp)):
+                        err = (g.float() - w.float()).abs().max().item()
+                        assert err < POOL_TOL, f"{what}: {kind} pool of layer {layer} differs by {err:.3g}"
+                        worst_pool = max(worst_pool, err)
+        print(f"[CP={world}{' x EP' if ep else ''}] {mode} caches: max |logit diff| vs one rank {worst:.2e}, "
+              f"max |pool diff| {worst_pool:.2e}")
+
+
+def test_context_parallel_step_must_be_padded(tiny_ckpt):
+    net = build_parallel_network(Checkpoint(tiny_ckpt), "fp32", torch.float32,
+                                 ParallelConfig(size=2, rank=0, expert_parallel=False, context_parallel=True))
+    step = _steps(2)[2]  # one token
+    pools = allocate_pools(net.cfg, "fp32", NUM_PAGES)
+    with pytest.raises(ValueError, match="must be a multiple of cp=2; pad it with"):
+        net(*step.as_tuple(), *pools)
