@@ -42,3 +42,43 @@ def ref_all_to_all(buffers: list[torch.Tensor], counts: list[torch.Tensor]) -> l
             n = int(counts[s][r])
             out[r][s, :n] = buffers[s][r, :n]
     return out
+
+
+def eager_parallel_engine(ckpt_dir: str, cache_mode: str, parallel):
+    """An eager Engine over rank ``parallel.rank``'s network of export/parallel.py (no compile)."""
+    from dsa_trt.engine_config import EngineConfig
+    from dsa_trt.export.checkpoint import Checkpoint
+    from dsa_trt.export.parallel import build_parallel_network
+    from dsa_trt.runtime.engine import eager_engine
+
+    ckpt = Checkpoint(ckpt_dir)
+    cfg = EngineConfig(model=ckpt.config, cache_mode=cache_mode, dtype="float32", device="cpu", compiler="eager",
+                       kv_scales=[1.0] * ckpt.config.num_hidden_layers)
+    net = build_parallel_network(ckpt, cache_mode, torch.float32, parallel)
+    return eager_engine(net, cfg, torch.device("cpu"), Path(ckpt_dir) / "tokenizer.json")
+
+
+def serve_until_killed(ckpt_dir: str, marker: str) -> None:
+    """A torchrun-style rank (env RANK / WORLD_SIZE / MASTER_*) of a context-parallel eager engine:
+    rank 0 runs decode steps until a peer fails, touching ``marker`` once steps flow; the test
+    kills a rank and expects the survivors to exit with a RankFailure naming it."""
+    from dsa_trt.export.parallel import ParallelConfig
+    from dsa_trt.plugins.pools import allocate_pools
+    from dsa_trt.runtime.distributed import run_parallel
+    from dsa_trt.runtime.step_inputs import StepInputs
+
+    torch.set_num_threads(1)
+    world = int(os.environ["WORLD_SIZE"])
+
+    def load(rank, world, dev):
+        return eager_parallel_engine(ckpt_dir, "fp32", ParallelConfig(size=world, rank=rank, context_parallel=True))
+
+    def rank0(engine):
+        pools = allocate_pools(engine.config.model, "fp32", 4)
+        step = StepInputs.build([(list(range(2, 12)), 0, [1])])
+        for i in range(100_000):
+            engine.forward(step, *pools)
+            if i == 2:
+                Path(marker).touch()
+
+    run_parallel(load, rank0, device="cpu", context_parallel=world)
