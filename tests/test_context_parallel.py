@@ -117,3 +117,51 @@ def test_context_parallel_step_must_be_padded(tiny_ckpt):
     pools = allocate_pools(net.cfg, "fp32", NUM_PAGES)
     with pytest.raises(ValueError, match="must be a multiple of cp=2; pad it with"):
         net(*step.as_tuple(), *pools)
+
+
+PROMPTS = ["Hello", "The quick brown fox jumps over the lazy dog because", "Once upon a time, in a small village"]
+GREEDY_STEPS = 10
+
+
+def _generate_worker(rank, world, port, out_dir, ckpt_dir):
+    from dsa_trt.runtime.distributed import run_parallel
+    from dsa_trt.runtime.llm import LLM
+    from dsa_trt.runtime.sampling import SamplingParams
+
+    from .helpers.ranks import eager_parallel_engine
+
+    join_group(rank, world, port)
+
+    def load(rank, world, dev):
+        return eager_parallel_engine(ckpt_dir, "fp32", ParallelConfig(size=world, rank=rank, context_parallel=True))
+
+    def rank0(engine):
+        llm = LLM(engine, num_pages=2 * NUM_PAGES)
+        outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=GREEDY_STEPS, ignore_eos=True))
+        return {"tokens": [o.token_ids for o in outs]}
+
+    result = run_parallel(load, rank0, device="cpu", context_parallel=world)
+    torch.save(result or {}, Path(out_dir) / f"rank{rank}.pt")
+
+
+def test_context_parallel_generate_equals_one_rank(tiny_ckpt, tmp_path):
+    """The runtime's CP mode: rank 0's LLM schedules, DistributedEngine pads each step to a
+    multiple of p and broadcasts it, every rank's program takes its interleaved share (CP x EP,
+    eager programs); greedy tokens equal one rank's."""
+    from dsa_trt.runtime.llm import LLM
+    from dsa_trt.runtime.sampling import SamplingParams
+
+    from dsa_trt.engine_config import EngineConfig
+    from dsa_trt.runtime.engine import eager_engine
+
+    world = 2
+    rank0, rank1 = spawn(_generate_worker, world, tmp_path, str(tiny_ckpt))
+    assert rank1 == {}
+    ckpt = Checkpoint(tiny_ckpt)
+    cfg = EngineConfig(model=ckpt.config, cache_mode="fp32", dtype="float32", device="cpu", compiler="eager",
+                       kv_scales=[1.0] * ckpt.config.num_hidden_layers)
+    ref = LLM(eager_engine(build_network(ckpt, "fp32", torch.float32), cfg, torch.device("cpu"),
+                           Path(tiny_ckpt) / "tokenizer.json"), num_pages=2 * NUM_PAGES)
+    want = [o.token_ids for o in ref.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=GREEDY_STEPS,
+                                                                       ignore_eos=True))]
+    assert rank0["tokens"] == want, f"greedy tokens CP={world} {rank0['tokens']} vs one rank {want}"
