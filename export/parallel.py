@@ -9,10 +9,10 @@ parallelism, routed experts [r*E/p, (r+1)*E/p) only.
 instead of all-reducing [T, D] over the ranks. Dispatch and combine are one ``dsa::ep_all_to_all``
 each over static buffers ``[p, C, row]``; the bucketing around them (cumsum, scatter, gather) is
 plain graph code, so no shape depends on the routing and a decode step stays capturable.
-C, the pairs a rank may send to one destination in a step, is ``min(ep_capacity, T * m)`` with
-``m = min(top_k, E/p)``: ``T * m`` is the most a rank's T tokens can route to one rank (a token's
-experts are distinct), so the default (``ep_capacity=None``) can never overflow; a smaller
-``ep_capacity`` bounds the buffers of long prefill steps, and a step that would overflow raises
+C, the pairs a rank may send to one destination in a step, is ``T * m`` by default, with
+``m = min(top_k, E/p)``: the most a rank's T tokens can route to one rank (a token's experts are
+distinct), so it can never overflow; a set ``ep_capacity`` makes C that constant for every step,
+bounding the buffers of long prefill steps, and a step that would overflow raises
 ``EPCapacityError`` on every rank (plugins/collectives.py) — never a silently dropped pair.
 Dispatch rows: the bf16/fp32 token row, the global expert id + 1 (0 = empty slot) as int32, the
 combine weight as fp32, packed as bytes; the expert rank applies the weight (as dsa::moe_experts
@@ -43,14 +43,17 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.export import Dim, ExportedProgram, export
 
 import dsa_trt.plugins.collectives  # noqa: F401  (registers dsa::all_gather, dsa::ep_all_to_all, dsa::all_reduce)
 from dsa_trt.config import ConfigError, ModelConfig
+from dsa_trt.plugins.pools import allocate_pools
+from dsa_trt.step import STEP_FIELDS, StepInputs, dynamic_shapes, export_dims
 
 from .checkpoint import Checkpoint
 from .layers import MoE, rope_cos_sin
 from .network import DSAForCausalLM
-from .program import build_network
+from .program import build_network, example_step
 
 ID_BYTES = 4  # int32 global expert id + 1 (0 = empty slot)
 WEIGHT_BYTES = 4  # fp32 combine weight
@@ -88,9 +91,11 @@ class ParallelConfig:
 
 
 def exchange_capacity(num_tokens: int, top_k: int, experts_per_rank: int, ep_capacity: int | None) -> int:
-    """C of a step of ``num_tokens`` local tokens: the worst case T * min(k, E/p), capped by ep_capacity."""
-    worst = num_tokens * min(top_k, experts_per_rank)
-    return worst if ep_capacity is None else min(worst, ep_capacity)
+    """C of a step of ``num_tokens`` local tokens: ``ep_capacity`` when set (one static buffer for
+    every step), else the step's worst case T * min(k, E/p) (grows with the step, never overflows).
+
+    Not min(worst, ep_capacity): with a symbolic T the exported program would need guards on it."""
+    return num_tokens * min(top_k, experts_per_rank) if ep_capacity is None else ep_capacity
 
 
 def exchange_plan(ids: torch.Tensor, experts_per_rank: int, size: int, capacity: int
@@ -152,8 +157,9 @@ class ExpertParallelMoE(MoE):
                           _as_bytes((ids.reshape(-1, 1) + 1).to(torch.int32)),
                           _as_bytes(weights.reshape(-1, 1).float())], dim=1)  # [T*k, W]
         send = rows.new_zeros((p * cap + 1, rows.shape[1])).index_copy(0, pos, rows)
-        recv = torch.ops.dsa.ep_all_to_all(send[: p * cap].view(p, cap, -1), counts, p)  # [p, C, W]
-        recv = recv.view(p * cap, -1)
+        width = rows.shape[1]
+        recv = torch.ops.dsa.ep_all_to_all(send[: p * cap].view(p, cap, width), counts, p)  # [p, C, W]
+        recv = recv.view(p * cap, width)
         row_bytes = dim * x.element_size()
         xr = recv[:, :row_bytes].contiguous().view(x.dtype)  # [p*C, D]
         gid = recv[:, row_bytes : row_bytes + ID_BYTES].contiguous().view(torch.int32)[:, 0].long() - 1
@@ -239,6 +245,31 @@ def build_parallel_network(ckpt: Checkpoint, cache_mode: str, dtype: torch.dtype
     cls = functools.partial(ParallelDSAForCausalLM, parallel=parallel)
     return build_network(ckpt, cache_mode, dtype, kv_scales, device=device, expert_op=expert_op,
                          network_cls=cls)
+
+
+def export_parallel_program(net: ParallelDSAForCausalLM, max_num_tokens: int = 8192, max_batch: int = 256,
+                            max_pages_per_seq: int = 4096, device="cpu") -> ExportedProgram:
+    """export_program for a parallel network: the same inputs and dims (dsa_trt/step.py), except
+    that a context-parallel program's token count is ``p * tokens_per_rank`` (a multiple of p)."""
+    cfg, pc = net.cfg, net.parallel
+    step = example_step(cfg, device)
+    if pc.context_parallel:
+        n = step.input_ids.shape[0]
+        step = _pad_tokens(step, -(-n // pc.size) * pc.size)
+    mla, idx = allocate_pools(cfg, net.cache_mode, 4, device=device)
+    dims = export_dims(max_num_tokens=max_num_tokens, max_batch=max_batch, max_pages_per_seq=max_pages_per_seq)
+    if pc.context_parallel:
+        dims["tokens"] = pc.size * Dim("tokens_per_rank", min=1, max=max_num_tokens // pc.size)
+    with torch.no_grad():
+        return export(net, step.as_tuple() + (mla, idx), dynamic_shapes=dynamic_shapes(dims, cfg.num_hidden_layers))
+
+
+def _pad_tokens(step: StepInputs, num_tokens: int) -> StepInputs:
+    """Tracing input only: padding tokens (slot -1) up to ``num_tokens`` (the runtime's pad_step_tokens)."""
+    extra = num_tokens - step.input_ids.shape[0]
+    fill = {"input_ids": 0, "positions": 0, "req_idx": 0, "slot_mapping": -1}
+    return StepInputs(**{f.name: torch.cat([getattr(step, f.name), getattr(step, f.name).new_full((extra,), fill[f.name])])
+                         if f.name in fill else getattr(step, f.name) for f in STEP_FIELDS})
 
 
 def exchange_bytes(num_tokens: int, cfg: ModelConfig, size: int, ep_capacity: int | None,

@@ -165,3 +165,38 @@ def test_context_parallel_generate_equals_one_rank(tiny_ckpt, tmp_path):
     want = [o.token_ids for o in ref.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=GREEDY_STEPS,
                                                                        ignore_eos=True))]
     assert rank0["tokens"] == want, f"greedy tokens CP={world} {rank0['tokens']} vs one rank {want}"
+
+
+def _compiled_worker(rank, world, port, out_dir, ckpt_dir):
+    from dsa_trt.builder.aoti import compile_package
+    from dsa_trt.export.parallel import export_parallel_program
+
+    join_group(rank, world, port)
+    ckpt = Checkpoint(ckpt_dir)
+    pc = ParallelConfig(size=world, rank=rank, context_parallel=True)  # CP x EP: every collective op
+    net = build_parallel_network(ckpt, "fp32", torch.float32, pc)
+    package = compile_package(export_parallel_program(net, max_num_tokens=512, max_batch=16, max_pages_per_seq=64),
+                              Path(out_dir) / f"cp{world}-rank{rank}.pt2")
+    program = torch._inductor.aoti_load_package(str(package))
+    dist.barrier()  # both programs compiled: the steps' collectives meet
+    steps = [_padded(s, world) for s in _steps(world)]
+    logits, _ = _run(program, steps, ckpt.config, "fp32")
+    torch.save({"logits": logits}, Path(out_dir) / f"rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_compiled_cp_ep_programs_equal_one_rank(tiny_ckpt, one_rank, tmp_path):
+    """AOTInductor programs of a CP x EP=2 group (dsa::all_gather, dsa::ep_all_to_all and
+    dsa::all_reduce compiled as nodes, the token count a symbolic multiple of p): the one-rank
+    logits within the fp32 tolerance."""
+    world = 2
+    results = spawn(_compiled_worker, world, tmp_path, str(tiny_ckpt))
+    want, _ = one_rank[(world, "fp32")]
+    worst = 0.0
+    for rank, res in enumerate(results):
+        for i, (g, w) in enumerate(zip(res["logits"], want)):
+            err = (g - w).abs().max().item()
+            assert err < TOL["fp32"], f"compiled CP x EP={world} rank {rank} step {i}: max |logit diff| {err:.3g}"
+            worst = max(worst, err)
+    print(f"[compiled CP x EP={world}] fp32 caches: max |logit diff| vs one rank {worst:.2e}")
