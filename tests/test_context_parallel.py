@@ -200,3 +200,42 @@ def test_compiled_cp_ep_programs_equal_one_rank(tiny_ckpt, one_rank, tmp_path):
             assert err < TOL["fp32"], f"compiled CP x EP={world} rank {rank} step {i}: max |logit diff| {err:.3g}"
             worst = max(worst, err)
     print(f"[compiled CP x EP={world}] fp32 caches: max |logit diff| vs one rank {worst:.2e}")
+
+
+def _nccl_worker(rank, world, port, out_dir, ckpt_dir):
+    from .helpers.ranks import ref_all_to_all
+
+    join_group(rank, world, port, backend="nccl")
+    dev = torch.device("cuda", rank)
+    gen = torch.Generator().manual_seed(7)
+    bufs = [torch.randn(world, 4, 6, generator=gen) for _ in range(world)]
+    counts = [torch.tensor([r % 5, (r + 2) % 5][:world] + [1] * (world - 2)) for r in range(world)]
+    for b, c in zip(bufs, counts):
+        for d in range(world):
+            b[d, int(c[d]):] = 0
+    got = torch.ops.dsa.ep_all_to_all(bufs[rank].to(dev), counts[rank].to(dev), world).cpu()
+    ckpt = Checkpoint(ckpt_dir)
+    net = build_parallel_network(ckpt, "fp32", torch.float32,
+                                 ParallelConfig(size=world, rank=rank, context_parallel=True), device=dev)
+    steps = [_padded(s, world).to(dev) for s in _steps(world)]
+    pools = allocate_pools(ckpt.config, "fp32", NUM_PAGES, dev)
+    with torch.no_grad():
+        logits = [net(*s.as_tuple(), *pools).cpu() for s in steps]
+    torch.save({"a2a": (got, ref_all_to_all(bufs, counts)[rank]), "logits": logits}, Path(out_dir) / f"rank{rank}.pt")
+    dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs (NCCL)")
+def test_nccl_cp_ep_equals_one_rank(tiny_ckpt, one_rank, tmp_path):
+    """The same ops over NCCL on 2 GPUs: the exchange equals the reference bitwise; CP x EP=2
+    logits (reference kernels on CUDA tensors unless DSA_KERNELS loads ours) equal the CPU one-rank
+    logits within the fp32 tolerance."""
+    world = 2
+    results = spawn(_nccl_worker, world, tmp_path, str(tiny_ckpt))
+    want, _ = one_rank[(world, "fp32")]
+    for rank, res in enumerate(results):
+        torch.testing.assert_close(*res["a2a"], rtol=0, atol=0, msg=f"NCCL ep_all_to_all rank {rank}")
+        for i, (g, w) in enumerate(zip(res["logits"], want)):
+            err = (g - w).abs().max().item()
+            assert err < TOL["fp32"], f"NCCL CP x EP rank {rank} step {i}: max |logit diff| vs one rank {err:.3g}"

@@ -17,12 +17,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def join_group(rank: int, world: int, port: int) -> None:
-    """This process joins a gloo group of ``world`` ranks (the env torchrun would set)."""
+def join_group(rank: int, world: int, port: int, backend: str = "gloo") -> None:
+    """This process joins a ``backend`` group of ``world`` ranks (the env torchrun would set);
+    nccl: GPU ``rank``, NVLink multicast off (the launcher's environment, runtime/distributed.py)."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)  # the ranks share the machine's cores
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    if backend == "nccl":
+        os.environ["NCCL_NVLS_ENABLE"] = "0"
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, rank=rank, world_size=world)
 
 
 def spawn(fn, world: int, out_dir: Path, *args) -> list[dict]:
