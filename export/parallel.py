@@ -267,9 +267,12 @@ def export_parallel_program(net: ParallelDSAForCausalLM, max_num_tokens: int = 8
 def _pad_tokens(step: StepInputs, num_tokens: int) -> StepInputs:
     """Tracing input only: padding tokens (slot -1) up to ``num_tokens`` (the runtime's pad_step_tokens)."""
     extra = num_tokens - step.input_ids.shape[0]
-    fill = {"input_ids": 0, "positions": 0, "req_idx": 0, "slot_mapping": -1}
-    return StepInputs(**{f.name: torch.cat([getattr(step, f.name), getattr(step, f.name).new_full((extra,), fill[f.name])])
-                         if f.name in fill else getattr(step, f.name) for f in STEP_FIELDS})
+    fill = {"input_ids": 0, "positions": 0, "req_idx": 0, "slot_mapping": -1}  # the per-token fields
+    fields = {}
+    for f in STEP_FIELDS:
+        t = getattr(step, f.name)
+        fields[f.name] = torch.cat([t, t.new_full((extra,), fill[f.name])]) if f.name in fill else t
+    return StepInputs(**fields)
 
 
 def exchange_bytes(num_tokens: int, cfg: ModelConfig, size: int, ep_capacity: int | None,

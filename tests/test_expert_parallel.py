@@ -162,7 +162,7 @@ def test_expert_parallel_equals_one_rank(tiny_ckpt, tmp_path, world):
         worst = 0.0
         for rank, res in enumerate(results):
             for i, (g, w) in enumerate(zip(res[mode], want[rank])):
-                assert g.shape == w.shape, f"EP={world} {mode} rank {rank} step {i}: {tuple(g.shape)} vs {tuple(w.shape)}"
+                assert g.shape == w.shape, f"EP={world} {mode} rank {rank} step {i}: {g.shape} vs {w.shape}"
                 err = (g - w).abs().max().item()
                 assert err < TOL[mode], (f"EP={world} {mode} rank {rank} step {i}: max |logit diff| vs one rank "
                                          f"{err:.3g} (tol {TOL[mode]})")
