@@ -49,7 +49,7 @@ def build_network(
     cfg = ckpt.config
     with torch.device("meta"):
         net = network_cls(cfg, cache_mode=cache_mode, dtype=dtype, tp_rank=tp_rank, tp_size=tp_size,
-                             expert_op=expert_op, fp8_linears=fp8_linears)
+                          expert_op=expert_op, fp8_linears=fp8_linears)
     state = {}
     stacked = {}  # layer -> its StackedExperts buffers by name
     items = list(net.state_dict().items())

@@ -1,4 +1,4 @@
-"""Tensor-parallel serving: one process per rank, launched by torchrun (docs/architecture.md §7).
+"""Multi-rank serving: one process per rank, launched by torchrun (docs/architecture.md §7).
 
 Every rank loads its own engine (``Engine.load(dir, rank=r)``) and allocates its own copy of the
 paged caches (the MLA latent and the indexer keys are replicated across ranks). Rank 0 owns the
@@ -10,7 +10,12 @@ programs' ``dsa::all_reduce`` nodes meet there), drop the logits, repeat until r
     torchrun --standalone --nproc-per-node N -m dsa_trt.runtime.cli generate --engine DIR ...
 
 ``dsa-trt generate`` does that relaunch itself when the engine has tp_size > 1. Backend: gloo on
-the CPU, NCCL on GPUs.
+the CPU, NCCL on GPUs (NVLink multicast off: ``launch_env``).
+
+Context parallelism (export/parallel.py) uses the same broadcast: ``DistributedEngine(engine,
+context_parallel=p)`` pads each step to a multiple of p, and every rank's program takes its
+interleaved share of the one step all ranks received. A rank whose collective fails (a peer
+died, or hung past DSA_DIST_TIMEOUT_S) raises ``RankFailure`` naming the peers that exited.
 """
 
 from __future__ import annotations
