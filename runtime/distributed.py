@@ -24,6 +24,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Callable, TypeVar
@@ -58,6 +59,7 @@ class RankFailure(RuntimeError):
 # (hostname, pid) of every rank, gathered when the group forms: after a failed collective, a
 # rank names the peers whose processes are gone (torchrun --standalone: every rank on this host)
 _peers: list[tuple[str, int]] = []
+PEER_EXIT_POLLS, PEER_EXIT_POLL_S = 50, 0.1  # up to 5 s for a dead peer to show as exited
 
 
 def init_process_group(device: str | None = None) -> tuple[int, int, torch.device]:
@@ -102,8 +104,14 @@ def _process_gone(pid: int) -> bool:
 def describe_peers() -> str:
     """Which peer ranks have exited, as far as this host can tell."""
     me, host = dist.get_rank(), socket.gethostname()
-    gone = [f"rank {r} (pid {pid})" for r, (h, pid) in enumerate(_peers) if r != me and h == host
-            and _process_gone(pid)]
+    local = [(r, pid) for r, (h, pid) in enumerate(_peers) if r != me and h == host]
+    gone: list[str] = []
+    # a dying process closes its sockets before the kernel shows it exited: look for a while
+    for _ in range(PEER_EXIT_POLLS):
+        gone = [f"rank {r} (pid {pid})" for r, pid in local if _process_gone(pid)]
+        if gone or not local:
+            break
+        time.sleep(PEER_EXIT_POLL_S)
     if gone:
         return f"{', '.join(gone)} exited"
     return (f"no peer process has exited on this host (a peer hung past DSA_DIST_TIMEOUT_S="
