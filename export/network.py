@@ -59,7 +59,7 @@ class Indexer(nn.Module):
         rope = rope_interleaved if self.cfg.indexer_rope_interleave else rope_half_split
         return torch.cat([rope(x[..., :r], cos, sin), x[..., r:]], dim=-1)
 
-    def forward(self, x, c_q, cos, sin, slot_mapping, pool, page_table, req_idx, seq_lens, fp8: bool):
+    def forward(self, x, c_q, cos, sin, slot_mapping, pool, page_table, req_idx, seq_lens, fp8: bool, gather=None):
         cfg = self.cfg
         num_tokens = x.shape[0]
         q = self.wq_b(c_q).view(num_tokens, cfg.index_n_heads, cfg.index_head_dim)
@@ -68,7 +68,7 @@ class Indexer(nn.Module):
         # Hadamard rotation: orthogonal, so q.k is unchanged; it spreads outliers before fp8.
         q = (q.float() @ self.hadamard).to(q.dtype)
         k = (k.float() @ self.hadamard).to(k.dtype)
-        torch.ops.dsa.indexer_k_cache_write(k, slot_mapping, pool)
+        torch.ops.dsa.indexer_k_cache_write(k if gather is None else gather(k), slot_mapping, pool)
         w = self.weights_proj(x.float()) * (cfg.index_n_heads**-0.5 * cfg.index_head_dim**-0.5)
         if fp8:
             q, q_scale = quant_fp8_pow2(q)  # one power-of-two scale per (token, head)
@@ -125,13 +125,16 @@ class DSAAttention(nn.Module):
         c_kv = self.kv_a_layernorm(kv[:, : cfg.kv_lora_rank])
         k_pe = rope_interleaved(kv[:, cfg.kv_lora_rank :], cos, sin)
         c_kv, k_pe = self.kv_cache_quantizer(c_kv, k_pe)
+        gather = meta.get("gather_cache_rows")  # context parallel (export/parallel.py): every rank's rows
+        if gather is not None:
+            c_kv, k_pe = gather(c_kv), gather(k_pe)
         torch.ops.dsa.mla_cache_write(c_kv, k_pe, meta["slot_mapping"], mla_pool, self.kv_scale)
 
         w_kvb = self.kv_b_proj.weight.view(h, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
         w_uk, w_uv = w_kvb[:, : cfg.qk_nope_head_dim], w_kvb[:, cfg.qk_nope_head_dim :]
         slots = self.indexer(
             x, c_q, cos, sin, meta["slot_mapping"], index_pool, meta["page_table"], meta["req_idx"],
-            meta["seq_lens"], cache_mode == "fp8",
+            meta["seq_lens"], cache_mode == "fp8", gather,
         )
         q_lat = torch.einsum("thd,hdc->thc", q_nope, w_uk)  # [T, H, 512]
         q_abs = torch.cat([q_lat, q_pe], dim=-1)  # [T, H, 576]

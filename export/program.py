@@ -35,6 +35,7 @@ def build_network(
     progress: Progress | None = None,
     expert_op: bool = False,
     fp8_linears: bool = False,
+    network_cls: Callable[..., DSAForCausalLM] = DSAForCausalLM,
 ) -> DSAForCausalLM:
     """Rank ``tp_rank``'s network with the checkpoint's weights (fp8 blocks dequantised, then sliced
     by export/sharding.py), in eval mode. ``progress`` wraps the loop over the tensors.
@@ -42,8 +43,10 @@ def build_network(
     ``expert_op``: each MoE layer's routed experts are one dsa::moe_experts call on this rank's
     experts stacked as stored (Checkpoint.stacked_experts: e4m3 + scales for fp8 checkpoints, never
     dequantised; bf16 otherwise); bf16 networks only. ``fp8_linears``: the fp8-block checkpoint's
-    e4m3 Linears (but kv_b) stay e4m3 with their ``weight_scale_inv`` (W8A8); tp_size 1."""
-    net = network_skeleton(ckpt, cache_mode, dtype, tp_rank, tp_size, expert_op, fp8_linears)
+    e4m3 Linears (but kv_b) stay e4m3 with their ``weight_scale_inv`` (W8A8); tp_size 1.
+    ``network_cls``: a DSAForCausalLM subclass taking the same arguments (export/parallel.py's
+    expert- and context-parallel network)."""
+    net = network_skeleton(ckpt, cache_mode, dtype, tp_rank, tp_size, expert_op, fp8_linears, network_cls)
     state = {name: t.to(device) for name, t in checkpoint_tensors(ckpt, net, tp_rank, tp_size, progress)}
     net.load_state_dict(state, strict=True, assign=True)
     # non-persistent buffers were created on meta: rebuild them on the target device
@@ -55,10 +58,11 @@ def build_network(
 
 
 def network_skeleton(ckpt: Checkpoint, cache_mode: str, dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1,
-                     expert_op: bool = False, fp8_linears: bool = False) -> DSAForCausalLM:
+                     expert_op: bool = False, fp8_linears: bool = False,
+                     network_cls: Callable[..., DSAForCausalLM] = DSAForCausalLM) -> DSAForCausalLM:
     """Rank ``tp_rank``'s network on the meta device: every tensor's name, dtype and shape, no data."""
     with torch.device("meta"):
-        return DSAForCausalLM(ckpt.config, cache_mode=cache_mode, dtype=dtype, tp_rank=tp_rank, tp_size=tp_size,
+        return network_cls(ckpt.config, cache_mode=cache_mode, dtype=dtype, tp_rank=tp_rank, tp_size=tp_size,
                               expert_op=expert_op, fp8_linears=fp8_linears)
 
 

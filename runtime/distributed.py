@@ -1,4 +1,4 @@
-"""Tensor-parallel serving: one process per rank, launched by torchrun (docs/architecture.md §7).
+"""Multi-rank serving: one process per rank, launched by torchrun (docs/architecture.md §7).
 
 Every rank loads its own engine (``Engine.load(dir, rank=r)``) and allocates its own copy of the
 paged caches (the MLA latent and the indexer keys are replicated across ranks). Rank 0 owns the
@@ -10,14 +10,22 @@ programs' ``dsa::all_reduce`` nodes meet there), drop the logits, repeat until r
     torchrun --standalone --nproc-per-node N -m dsa_trt.runtime.cli generate --engine DIR ...
 
 ``dsa-trt generate`` does that relaunch itself when the engine has tp_size > 1. Backend: gloo on
-the CPU, NCCL on GPUs.
+the CPU, NCCL on GPUs (NVLink multicast off: ``launch_env``).
+
+Context parallelism (export/parallel.py) uses the same broadcast: ``DistributedEngine(engine,
+context_parallel=p)`` pads each step to a multiple of p, and every rank's program takes its
+interleaved share of the one step all ranks received. A rank whose collective fails (a peer
+died, or hung past DSA_DIST_TIMEOUT_S) raises ``RankFailure`` naming the peers that exited.
 """
 
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
+import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Callable, TypeVar
 
@@ -25,9 +33,11 @@ import torch
 import torch.distributed as dist
 
 from dsa_trt.engine_config import EngineConfig, EngineDirError
+from dsa_trt.plugins.collectives import EPCapacityError
 from dsa_trt.plugins.pools import allocate_pools
-from dsa_trt.step import STEP_DIMS, STEP_FIELDS, StepInputs
+from dsa_trt.step import ROW, STEP_DIMS, STEP_FIELDS, StepInputs
 
+from . import knobs
 from .engine import Engine
 
 T = TypeVar("T")
@@ -41,10 +51,24 @@ POOL_PAGES_AT = DIMS_AT + len(STEP_DIMS)
 HEADER_LEN = POOL_PAGES_AT + 1
 
 
+class RankFailure(RuntimeError):
+    """A collective of a multi-rank engine failed: a peer rank exited or stopped answering within
+    DSA_DIST_TIMEOUT_S. The message names the rank that saw it and the peers found dead."""
+
+
+# (hostname, pid) of every rank, gathered when the group forms: after a failed collective, a
+# rank names the peers whose processes are gone (torchrun --standalone: every rank on this host)
+_peers: list[tuple[str, int]] = []
+PEER_EXIT_POLLS, PEER_EXIT_POLL_S = 50, 0.1  # up to 5 s for a dead peer to show as exited
+
+
 def init_process_group(device: str | None = None) -> tuple[int, int, torch.device]:
-    """Joins the torchrun group (RANK / WORLD_SIZE / LOCAL_RANK): (rank, world size, this rank's device)."""
+    """Joins the torchrun group (RANK / WORLD_SIZE / LOCAL_RANK): (rank, world size, this rank's device).
+
+    Every collective of the group times out after DSA_DIST_TIMEOUT_S seconds (gloo and NCCL
+    alike), so a rank that hangs, not only one that dies, stops the others."""
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        raise RuntimeError("not launched by torchrun (RANK / WORLD_SIZE unset): run a tensor-parallel engine with "
+        raise RuntimeError("not launched by torchrun (RANK / WORLD_SIZE unset): run a multi-rank engine with "
                            "`torchrun --nproc-per-node N -m dsa_trt.runtime.cli generate --engine DIR`")
     use_cuda = device != "cpu" and torch.cuda.is_available()
     if use_cuda:
@@ -54,8 +78,79 @@ def init_process_group(device: str | None = None) -> tuple[int, int, torch.devic
     else:
         dev = torch.device("cpu")
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if use_cuda else "gloo")
+        timeout = timedelta(seconds=knobs.get("DSA_DIST_TIMEOUT_S"))
+        dist.init_process_group("nccl" if use_cuda else "gloo", timeout=timeout)
+    record_peers()
     return dist.get_rank(), dist.get_world_size(), dev
+
+
+def record_peers() -> None:
+    """Every rank learns every rank's (hostname, pid); a collective, called once per group."""
+    peers: list = [None] * dist.get_world_size()
+    dist.all_gather_object(peers, (socket.gethostname(), os.getpid()))
+    _peers[:] = peers
+
+
+def _process_gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:  # a killed child stays a zombie until its launcher reaps it
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+
+
+def describe_peers() -> str:
+    """Which peer ranks have exited, as far as this host can tell."""
+    me, host = dist.get_rank(), socket.gethostname()
+    local = [(r, pid) for r, (h, pid) in enumerate(_peers) if r != me and h == host]
+    gone: list[str] = []
+    # a dying process closes its sockets before the kernel shows it exited: look for a while
+    for _ in range(PEER_EXIT_POLLS):
+        gone = [f"rank {r} (pid {pid})" for r, pid in local if _process_gone(pid)]
+        if gone or not local:
+            break
+        time.sleep(PEER_EXIT_POLL_S)
+    if gone:
+        return f"{', '.join(gone)} exited"
+    return (f"no peer process has exited on this host (a peer hung past DSA_DIST_TIMEOUT_S="
+            f"{knobs.get('DSA_DIST_TIMEOUT_S')} s, failed on its own, or runs elsewhere)")
+
+
+def guarded(what: str, fn: Callable[[], T]) -> T:
+    """Runs ``fn`` (collectives inside); a failure becomes a RankFailure naming the dead peers.
+    Errors every rank raises alike (an overflowing expert exchange, bad input) pass through."""
+    try:
+        return fn()
+    except (EPCapacityError, ValueError):
+        raise
+    except RuntimeError as e:
+        if not dist.is_initialized():
+            raise
+        raise RankFailure(f"rank {dist.get_rank()} of {dist.get_world_size()}: {what} failed: {describe_peers()}; "
+                          f"this rank stops too ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})"
+                          ) from e
+
+
+def pad_step_tokens(step: StepInputs, num_tokens: int) -> StepInputs:
+    """``step`` with padding tokens appended up to ``num_tokens``: slot -1 (they write nowhere),
+    position 0 of page-table row 0 (one valid key), token id 0; ``logits_indices`` unchanged, so
+    the logits are the unpadded step's. Context parallelism pads to a multiple of the group size,
+    data-parallel attention pads every rank's step to the largest."""
+    have = step.input_ids.shape[0]
+    if num_tokens < have:
+        raise ValueError(f"pad_step_tokens: the step has {have} tokens, more than {num_tokens}")
+    if num_tokens == have:
+        return step
+    padded = []
+    for f in STEP_FIELDS:
+        t = getattr(step, f.name)
+        if f.dims[0] == "tokens":
+            value = 0 if f.pad in (None, ROW) else f.pad
+            t = torch.cat([t, t.new_full((num_tokens - have, *t.shape[1:]), value)])
+        padded.append(t)
+    return StepInputs(*padded)
 
 
 def _shapes(header: list[int]) -> list[tuple[int, ...]]:
@@ -84,26 +179,40 @@ def _payload_len(header: list[int]) -> int:
 
 
 class DistributedEngine(Engine):
-    """Rank 0's engine: the same interface as ``Engine``; each forward is mirrored on every rank."""
+    """Rank 0's engine: the same interface as ``Engine``; each forward is mirrored on every rank.
 
-    def __init__(self, engine: Engine):
+    ``context_parallel`` (the group size of a context-parallel engine, export/parallel.py): every
+    step is padded to a multiple of it before the broadcast; each rank's program then takes its
+    interleaved share (tokens i % p == rank) of the one step every rank received."""
+
+    def __init__(self, engine: Engine, context_parallel: int = 1):
         super().__init__(engine.config, engine.program, engine.device, engine.tokenizer_path)
+        self.context_parallel = context_parallel
         self._stopped = False
+        self._steps = 0
 
     @torch.no_grad()
     def forward(self, step: StepInputs, mla_pools: list[torch.Tensor], index_pools: list[torch.Tensor]) -> torch.Tensor:
+        if self.context_parallel > 1:
+            n = step.input_ids.shape[0]
+            step = pad_step_tokens(step, -(-n // self.context_parallel) * self.context_parallel)
         header, payload = _pack(step, mla_pools[0].shape[0], self.device)
-        dist.broadcast(header, src=0)
-        dist.broadcast(payload, src=0)
-        return super().forward(step, mla_pools, index_pools)
+        self._steps += 1
+
+        def run():
+            dist.broadcast(header, src=0)
+            dist.broadcast(payload, src=0)
+            return super(DistributedEngine, self).forward(step, mla_pools, index_pools)
+
+        return guarded(f"step {self._steps}", run)
 
     def shutdown(self) -> None:
         """Releases the workers (idempotent)."""
         if not self._stopped:
+            self._stopped = True
             header = torch.zeros(HEADER_LEN, dtype=torch.int64, device=self.device)
             header[0] = CMD_STOP
-            dist.broadcast(header, src=0)
-            self._stopped = True
+            guarded("the stop broadcast", lambda: dist.broadcast(header, src=0))
 
 
 @torch.no_grad()
@@ -113,7 +222,7 @@ def worker_loop(engine: Engine) -> int:
     cfg, steps = engine.config, 0
     header_t = torch.empty(HEADER_LEN, dtype=torch.int64, device=engine.device)
     while True:
-        dist.broadcast(header_t, src=0)
+        guarded(f"waiting for step {steps + 1} from rank 0", lambda: dist.broadcast(header_t, src=0))
         header = header_t.tolist()
         if header[0] == CMD_STOP:
             return steps
@@ -121,40 +230,73 @@ def worker_loop(engine: Engine) -> int:
         if pools is None or pools[0][0].shape[0] != num_pages:  # same page count as rank 0
             pools = allocate_pools(cfg.model, cfg.cache_mode, num_pages, engine.device)
         payload = torch.empty(_payload_len(header), dtype=torch.int64, device=engine.device)
-        dist.broadcast(payload, src=0)
-        engine.forward(_unpack(header, payload), *pools)
+
+        def run():
+            dist.broadcast(payload, src=0)
+            engine.forward(_unpack(header, payload), *pools)
+
+        guarded(f"step {steps + 1}", run)
         steps += 1
 
 
-def run_tensor_parallel(engine_dir: str | Path, rank0: Callable[[Engine], T], device: str | None = None) -> T | None:
-    """In a torchrun process: load this rank's engine; rank 0 runs ``rank0(engine)`` (e.g. build an
-    ``LLM`` over it and generate) while the other ranks mirror its steps. Returns rank 0's result
-    on rank 0 and None elsewhere."""
-    cfg = EngineConfig.load(engine_dir, check_files=True)
-    rank, world, dev = init_process_group(device or ("cpu" if cfg.device == "cpu" else None))
-    if world != cfg.tp_size:
-        raise EngineDirError(f"{engine_dir}: built for tp={cfg.tp_size} but {world} processes were launched; "
-                             f"use --nproc-per-node {cfg.tp_size}")
-    engine = Engine.load(engine_dir, rank=rank, device=str(dev))
+def run_parallel(load: Callable[[int, int, torch.device], Engine], rank0: Callable[[Engine], T],
+                 device: str | None = None, context_parallel: int = 1) -> T | None:
+    """In a torchrun process: join the group, ``load(rank, world, device)`` this rank's engine; rank 0
+    runs ``rank0(engine)`` (e.g. build an ``LLM`` over it and generate) while the other ranks
+    mirror its steps. Returns rank 0's result on rank 0 and None elsewhere. A failed rank stops
+    the others with a RankFailure (no barrier is waited on after a failure)."""
+    rank, world, dev = init_process_group(device)
     # rank 0's forward broadcasts before it runs, which a captured CUDA graph would skip: the
-    # tensor-parallel driver runs its steps eagerly (LLM reads this knob when it is built)
+    # multi-rank driver runs its steps eagerly (LLM reads this knob when it is built)
     os.environ["DSA_CUDA_GRAPHS"] = "0"
+    peer_failed = False
     try:
+        engine = load(rank, world, dev)
         if rank == 0:
-            dengine = DistributedEngine(engine)
+            dengine = DistributedEngine(engine, context_parallel)
             try:
                 return rank0(dengine)
+            except RankFailure:
+                dengine._stopped = True  # the peers are gone or failing: no stop message to send
+                raise
             finally:
                 dengine.shutdown()
         worker_loop(engine)
         return None
+    except RankFailure:
+        peer_failed = True
+        raise
     finally:
-        dist.barrier()
+        if not peer_failed:  # a barrier with a dead peer would only wait for the timeout
+            dist.barrier()
         dist.destroy_process_group()
 
 
+def run_tensor_parallel(engine_dir: str | Path, rank0: Callable[[Engine], T], device: str | None = None) -> T | None:
+    """``run_parallel`` over the programs of a tensor-parallel engine directory."""
+    cfg = EngineConfig.load(engine_dir, check_files=True)
+
+    def load(rank: int, world: int, dev: torch.device) -> Engine:
+        if world != cfg.tp_size:
+            raise EngineDirError(f"{engine_dir}: built for tp={cfg.tp_size} but {world} processes were launched; "
+                                 f"use --nproc-per-node {cfg.tp_size}")
+        return Engine.load(engine_dir, rank=rank, device=str(dev))
+
+    return run_parallel(load, rank0, device or ("cpu" if cfg.device == "cpu" else None))
+
+
+def launch_env(environ: dict | None = None) -> dict:
+    """The ranks' environment: NVLink multicast (NVLS) off, as this deployment's GPUs require, and
+    NCCL errors / timeouts tearing the process down (so a dead peer cannot leave a rank waiting)."""
+    env = dict(os.environ if environ is None else environ)
+    env["NCCL_NVLS_ENABLE"] = "0"
+    env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    return env
+
+
 def relaunch_with_torchrun(nproc: int, module_args: list[str]) -> int:
-    """Runs ``python -m <module_args>`` as ``nproc`` torchrun processes on this host; their exit code."""
+    """Runs ``python -m <module_args>`` as ``nproc`` torchrun processes on this host; their exit code.
+    torchrun stops every rank when one exits with an error and names it (its "Root Cause")."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            "-m", *module_args]
-    return subprocess.call(cmd)
+    return subprocess.call(cmd, env=launch_env())

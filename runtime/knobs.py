@@ -90,6 +90,8 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
     Knob("DSA_TRT_PLUGIN_LIB", "", "path of the TensorRT plugin library the builder installs", _path),
     Knob("DSA_TOPK_CLUSTER", "", "experiments: force the top-k cluster size (CTAs per row): 1, 2, 4, 8 or 16",
          _choice("1", "2", "4", "8", "16")),
+    Knob("DSA_DIST_TIMEOUT_S", "600", "multi-rank engines: seconds a collective (gloo or NCCL) waits for a peer "
+         "before the rank stops with an error naming the ranks that exited", _int(1)),
     Knob("DSA_TOPK_CACHE", "", "experiments: 0 / 1 forces the top-k row cache off / on", _choice("0", "1")),
 )}
 
