@@ -3,6 +3,7 @@
 engine_dir/
   engine_config.json        this schema
   rank<N>.<ext>             the program of rank N (one step): .pt2 (AOTInductor) or .plan (TensorRT)
+  rank<N>.mtp.<ext>         the MTP draft program of rank N (export/mtp.py), when mtp_layers > 0
   tokenizer.json            (+ tokenizer_config.json)
   quant/<recipe>.json       calibration artifact (fp8 cache mode)
 
@@ -46,6 +47,9 @@ class EngineConfig:
     quant_recipe: str | None = None  # e.g. "fp8-kv-per-layer"
     tokenizer: str = "tokenizer.json"
     plugin_library: str | None = None  # TensorRT plugin library file name (tensorrt only)
+    # MTP layers compiled as the draft program rank<N>.mtp.<ext> (speculative decoding); the main
+    # programs then also return the ``hidden`` output (dsa_trt/step.py). 0: no draft program.
+    mtp_layers: int = 0
     versions: dict = field(default_factory=dict)  # library versions at build time
     format_version: int = ENGINE_FORMAT_VERSION
     dsa_trt_version: str = __version__
@@ -62,6 +66,9 @@ class EngineConfig:
             problems.append(f"tp_size {self.tp_size} must divide num_attention_heads {self.model.num_attention_heads}")
         if self.page_size != PAGE_SIZE:
             problems.append(f"page_size {self.page_size}: this runtime supports {PAGE_SIZE}")
+        if not 0 <= self.mtp_layers <= self.model.num_nextn_predict_layers:
+            problems.append(f"mtp_layers {self.mtp_layers} not in [0, num_nextn_predict_layers "
+                            f"{self.model.num_nextn_predict_layers}]")
         if len(self.kv_scales) != self.model.num_hidden_layers:
             problems.append(f"kv_scales has {len(self.kv_scales)} entries for {self.model.num_hidden_layers} layers")
         if problems:
@@ -74,6 +81,14 @@ class EngineConfig:
 
     def rank_file(self, rank: int) -> str:
         return f"rank{rank}.{COMPILERS[self.compiler]}"
+
+    def draft_file(self, rank: int) -> str:
+        """The MTP draft program of rank ``rank`` (present when mtp_layers > 0)."""
+        return f"rank{rank}.mtp.{COMPILERS[self.compiler]}"
+
+    def rank_files(self, rank: int) -> list[str]:
+        """Every compiled program rank ``rank`` loads."""
+        return [self.rank_file(rank)] + ([self.draft_file(rank)] if self.mtp_layers else [])
 
     # I/O
     def save(self, engine_dir: str | Path) -> Path:
@@ -113,7 +128,7 @@ class EngineConfig:
         return cfg
 
     def check_files(self, engine_dir: Path) -> None:
-        missing = [self.rank_file(r) for r in range(self.tp_size) if not (engine_dir / self.rank_file(r)).is_file()]
+        missing = [f for r in range(self.tp_size) for f in self.rank_files(r) if not (engine_dir / f).is_file()]
         if not (engine_dir / self.tokenizer).is_file():
             missing.append(self.tokenizer)
         if missing:
@@ -173,7 +188,7 @@ def write_manifest(engine_dir: str | Path, cfg: EngineConfig) -> Path:
     engine_dir = Path(engine_dir)
     raw = json.loads((engine_dir / ENGINE_CONFIG_NAME).read_text())
     tie = config_sha256(raw)
-    programs = {cfg.rank_file(r) for r in range(cfg.tp_size)}
+    programs = {f for r in range(cfg.tp_size) for f in cfg.rank_files(r)}
     names = sorted(p.relative_to(engine_dir).as_posix() for p in engine_dir.rglob("*")
                    if p.is_file() and p.name != MANIFEST_NAME and p.parent.name != "__pycache__"
                    and p.relative_to(engine_dir).as_posix() != ENGINE_CONFIG_NAME)
@@ -251,8 +266,8 @@ def verify_engine_files(engine_dir: str | Path, cfg: EngineConfig, rank: int = 0
         return
     check_config_tie(engine_dir, json.loads((engine_dir / ENGINE_CONFIG_NAME).read_text()), manifest)
     files = manifest["files"]
-    mine = {cfg.rank_file(rank)}
-    others = {cfg.rank_file(r) for r in range(cfg.tp_size)} - mine
+    mine = set(cfg.rank_files(rank))
+    others = {f for r in range(cfg.tp_size) for f in cfg.rank_files(r)} - mine
     # this rank's programs and the shared files; other ranks' programs and the ONNX are not loaded here
     names = sorted(n for n in files if n not in others and not n.startswith("onnx/"))
     for name in sorted(mine - set(files)):
