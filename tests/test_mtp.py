@@ -117,10 +117,12 @@ def test_greedy_output_equals_plain_decoding(mtp_engine, spec, one_thread):
     prompts = _corpus_prompts(5, [9, 14, 40, 100, 90])
     prompts.append(prompts[3][:70] + prompts[1][:6])  # shares the first page of prompt 3 (prefix hit)
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    # 8 pages = 512 tokens: 6 requests of up to ~125 positions (2 pages each) + the draft lookahead -> preemption
-    plain = LLM(mtp_engine, num_pages=8, deterministic=True)
+    # 6 pages = 384 tokens for 6 requests that need 9 pages at their ends: preemption
+    plain = LLM(mtp_engine, num_pages=6, deterministic=True)
+    spec_llm = LLM(mtp_engine, num_pages=6, deterministic=True, speculative=spec)
+    for llm in (plain, spec_llm):  # prompt 3 alone first: its full first page is then in the prefix cache
+        llm.generate([prompts[3]], params)
     want = plain.generate(prompts, params)
-    spec_llm = LLM(mtp_engine, num_pages=8, deterministic=True, speculative=spec)
     got = spec_llm.generate(prompts, params)
     for i, (w, g) in enumerate(zip(want, got)):
         assert g.token_ids == w.token_ids, f"prompt {i} ({len(prompts[i])} tokens): {g.token_ids} != {w.token_ids}"
