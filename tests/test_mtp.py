@@ -117,9 +117,9 @@ def test_greedy_output_equals_plain_decoding(mtp_engine, spec, one_thread):
     prompts = _corpus_prompts(5, [9, 14, 40, 100, 90])
     prompts.append(prompts[3][:70] + prompts[1][:6])  # shares the first page of prompt 3 (prefix hit)
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    # 6 pages = 384 tokens for 6 requests that need 9 pages at their ends: preemption
-    plain = LLM(mtp_engine, num_pages=6, deterministic=True)
-    spec_llm = LLM(mtp_engine, num_pages=6, deterministic=True, speculative=spec)
+    # 4 pages = 256 tokens for 6 requests that need 9 pages at their ends: running requests outgrow it
+    plain = LLM(mtp_engine, num_pages=4, deterministic=True)
+    spec_llm = LLM(mtp_engine, num_pages=4, deterministic=True, speculative=spec)
     for llm in (plain, spec_llm):  # prompt 3 alone first: its full first page is then in the prefix cache
         llm.generate([prompts[3]], params)
     want = plain.generate(prompts, params)
