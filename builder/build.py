@@ -108,13 +108,34 @@ def compile_onnx_program(onnx_ep, out: Path, name: str, compiler: str, profile, 
         raise BuildError(f"{name}: {e}") from e
 
 
+def compile_draft_program(ckpt: Checkpoint, cfg: EngineConfig, out: Path, rank: int, device: str,
+                          dtype: torch.dtype, emit_onnx: bool, profile, plugin_lib) -> None:
+    """The MTP layer of rank ``rank`` -> its draft program ``rank<r>.mtp.*`` (export/mtp.py).
+
+    Its MLA cache scale is the largest main-layer scale: the layer is not calibrated on its own. A
+    scale only changes draft quality, never the output (speculative decoding verifies every token)."""
+    from dsa_trt.export.mtp import build_mtp_network, export_mtp_program
+
+    kv_scale = max(cfg.kv_scales)
+    net = build_mtp_network(ckpt, cfg.cache_mode, dtype, kv_scale, device=device, tp_rank=rank, tp_size=cfg.tp_size,
+                            progress=_bar(f"load MTP rank {rank}", unit="tensor"))
+    ep = export_mtp_program(net, max_num_tokens=cfg.max_num_tokens, device=device)
+    onnx_ep = ep
+    if emit_onnx and dtype != torch.bfloat16:
+        onnx_ep = export_mtp_program(build_mtp_network(ckpt, cfg.cache_mode, torch.bfloat16, kv_scale, device=device,
+                                                       tp_rank=rank, tp_size=cfg.tp_size),
+                                     max_num_tokens=cfg.max_num_tokens, device=device)
+    compile_program(ep, onnx_ep, out, cfg.draft_file(rank), cfg.compiler, emit_onnx, profile, plugin_lib)
+
+
 def build_engine(checkpoint: str | Path, out: str | Path, tp: int = 1, cache_mode: str = "fp8",
                  compiler: str = "auto", device: str | None = None, dtype: str | None = None,
                  calib_file: str | Path | None = None, max_num_tokens: int = 8192,
                  emit_onnx: bool = False, kv_calibration: str | Path | None = None,
                  gpu_memory_gb: float | None = None, expert_op: bool | None = None,
-                 fp8_linears: bool | None = None) -> EngineConfig:
-    """``expert_op`` / ``fp8_linears``: build_network's options, passed on when given."""
+                 fp8_linears: bool | None = None, mtp: bool = True) -> EngineConfig:
+    """``expert_op`` / ``fp8_linears``: build_network's options, passed on when given. ``mtp``: also
+    compile the checkpoint's MTP layer as the draft program rank<r>.mtp.* (when it has one)."""
     t0 = time.perf_counter()
     out = Path(out)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -129,8 +150,9 @@ def build_engine(checkpoint: str | Path, out: str | Path, tp: int = 1, cache_mod
         except RuntimeError as e:
             raise BuildError(str(e)) from e
 
-    ckpt = Checkpoint(checkpoint)
+    ckpt = Checkpoint(checkpoint, include_mtp=mtp)
     cfg = ckpt.config
+    mtp_layers = min(1, cfg.num_nextn_predict_layers) if mtp else 0  # one draft layer, reused recurrently
     check_tp(cfg, tp)
     try:  # before any compile: a garbage tokenizer.json would only fail when the engine serves
         Tokenizer(ckpt.tokenizer_path, cfg.bos_token_id, cfg.eos_token_id)
@@ -163,7 +185,7 @@ def build_engine(checkpoint: str | Path, out: str | Path, tp: int = 1, cache_mod
     cfg_out = EngineConfig(
         model=cfg, cache_mode=cache_mode, dtype=dtype, device=device, compiler=compiler, tp_size=tp,
         max_num_tokens=max_num_tokens, kv_scales=kv_scales, quant_recipe=KV_RECIPE if cache_mode == "fp8" else None,
-        versions={"torch": torch.__version__, "python": sys.version.split()[0]},
+        versions={"torch": torch.__version__, "python": sys.version.split()[0]}, mtp_layers=mtp_layers,
     )
     profile = plugin_lib = None
     rank_stats: list[dict] = []
@@ -185,6 +207,7 @@ def build_engine(checkpoint: str | Path, out: str | Path, tp: int = 1, cache_mod
                 try:
                     stats = build_rank(ckpt, out, rank, name, cache_mode=cache_mode, dtype=torch_dtype,
                                        kv_scales=kv_scales, device=device, tp_size=tp, max_num_tokens=max_num_tokens,
+                                       return_hidden=bool(mtp_layers),
                                        progress=_bar(f"weights rank {rank}/{tp}", unit="tensor"), **net_options)
                 except (PackageLinkError, WeightsFileError) as e:
                     raise BuildError(str(e)) from e
@@ -193,6 +216,7 @@ def build_engine(checkpoint: str | Path, out: str | Path, tp: int = 1, cache_mod
                 onnx_net = build_network(ckpt, cache_mode, torch.bfloat16, kv_scales, device=device, tp_rank=rank,
                                          tp_size=tp, progress=_bar(f"load rank {rank}/{tp} (onnx)", unit="tensor"),
                                          **net_options)
+                onnx_net.return_hidden = bool(mtp_layers)  # the draft program's input
                 onnx_ep = export_program(onnx_net, max_num_tokens=max_num_tokens, device=device)
                 del onnx_net
                 compile_onnx_program(onnx_ep, out, name, compiler, profile, plugin_lib)
@@ -200,6 +224,8 @@ def build_engine(checkpoint: str | Path, out: str | Path, tp: int = 1, cache_mod
         stats.update(peak_rss=rss.peak, start_rss=rss.start)
         rank_stats.append(stats)
         _log(f"rank {rank}: peak RSS {rss.peak / 2**30:.2f} GiB (from {rss.start / 2**30:.2f} GiB)", t0)
+        if mtp_layers:
+            compile_draft_program(ckpt, cfg_out, out, rank, device, torch_dtype, emit_onnx, profile, plugin_lib)
     for f in TOKENIZER_FILES:
         src = Path(checkpoint) / f
         if src.is_file():
@@ -229,6 +255,9 @@ def build_summary(out: Path, cfg: EngineConfig, rank_stats: list[dict] | None = 
                 line += f", largest layer {st['largest_layer_bytes'] / 2**20:,.0f} MiB"
             line += ")"
         lines.append(line)
+        if cfg.mtp_layers:
+            d = cfg.draft_file(rank)
+            lines.append(f"  rank {rank:<6} {d} {(out / d).stat().st_size / 2**20:.1f} MiB (MTP draft)")
     lines.append(f"  cache       {bpt:,} B/token on every rank ({cfg.model.num_hidden_layers} layers x "
                  f"{bpt // cfg.model.num_hidden_layers} B: MLA latent + indexer key, replicated across ranks)")
     lines.append(f"  capacity    {2**30 // bpt:,} tokens per GiB of cache memory per rank")
@@ -269,12 +298,15 @@ def main(argv: list[str] | None = None) -> int:
                     help="most tokens one step may hold (the exported programs' dynamic-shape bound)")
     ap.add_argument("--emit-onnx", action="store_true",
                     help="also write onnx/rank<N>.onnx: the TensorRT graphs with plugin nodes (any machine)")
+    ap.add_argument("--no-mtp", action="store_true",
+                    help="do not compile the checkpoint's MTP layer as the draft program (no speculative decoding)")
     ap.add_argument("--gpu-memory-gb", type=float, default=None,
                     help="refuse a --tp whose ranks cannot hold their weights and one step of cache (dsa-trt plan)")
     a = ap.parse_args(argv)
     try:
         build_engine(a.checkpoint, a.out, a.tp, a.cache, a.compiler, a.device, a.dtype, a.calib_file, a.max_num_tokens,
-                     emit_onnx=a.emit_onnx, kv_calibration=a.kv_calibration, gpu_memory_gb=a.gpu_memory_gb)
+                     emit_onnx=a.emit_onnx, kv_calibration=a.kv_calibration, gpu_memory_gb=a.gpu_memory_gb,
+                     mtp=not a.no_mtp)
     except (BuildError, CalibrationError, CheckpointError, ConfigError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -43,7 +43,7 @@ import dsa_trt.plugins.collectives  # noqa: F401  (registers torch.ops.dsa.all_r
 from dsa_trt.cache_layout import CACHE_FORMATS  # the plugins' cache_format field
 from dsa_trt.plugins.fp8_ops import PLUGIN_NAMES as FP8_PLUGIN_NAMES
 from dsa_trt.plugins.ops import PLUGIN_NAMES
-from dsa_trt.step import LOGITS, POOL_OUTPUT_SUFFIX, onnx_dim_names
+from dsa_trt.step import POOL_OUTPUT_SUFFIX, STEP_OUTPUTS, onnx_dim_names
 
 PLUGIN_DOMAIN = "dsa"
 PLUGIN_NAMESPACE = "dsa"
@@ -136,8 +136,9 @@ def functionalize(ep: ExportedProgram) -> tuple[ExportedProgram, list[str]]:
         latest[root] = new
         graph.erase_node(node)
     sig = copy.deepcopy(ep.graph_signature)
-    if [s.kind for s in sig.output_specs] != [OutputKind.USER_OUTPUT]:
-        raise OnnxExportError(f"expected one output (the logits), got {sig.output_specs}")
+    num_user = len(sig.output_specs)
+    if not 1 <= num_user <= len(STEP_OUTPUTS) or any(s.kind != OutputKind.USER_OUTPUT for s in sig.output_specs):
+        raise OnnxExportError(f"expected the outputs {STEP_OUTPUTS} (hidden optional), got {sig.output_specs}")
     order = [n for n in graph.nodes if n.op == "placeholder" and n in latest]  # pool-input order
     output = graph.output_node()
     output.args = ((*output.args[0], *(latest[p] for p in order)),)
@@ -145,7 +146,7 @@ def functionalize(ep: ExportedProgram) -> tuple[ExportedProgram, list[str]]:
     graph.lint()
     gm.recompile()
     new_ep = ep._update(gm, sig)
-    new_ep._module_call_graph[0].signature.out_spec = pytree.tree_flatten(tuple(range(1 + len(order))))[1]
+    new_ep._module_call_graph[0].signature.out_spec = pytree.tree_flatten(tuple(range(num_user + len(order))))[1]
     return new_ep, [p.name for p in order]
 
 
@@ -357,8 +358,8 @@ def export_onnx(ep: ExportedProgram, path: str | Path, pool_carrier: str = "int3
     """Write the ONNX of one exported step program to ``path``.
 
     Graph inputs: the program's (input_ids, positions, req_idx, page_table, slot_mapping,
-    logits_indices, mla_pools_<l>, index_pools_<l>). Outputs: ``logits`` [logit_rows, vocab] fp32,
-    then ``mla_pools_<l>_out``, ``index_pools_<l>_out`` (the pools after this step's writes).
+    logits_indices, [hidden_states: draft programs], mla_pools_<l>, index_pools_<l>). Outputs: ``logits``
+    [logit_rows, vocab] fp32, ``hidden`` [tokens, D] (MTP-enabled engines), then ``mla_pools_<l>_out``, ``index_pools_<l>_out`` (the pools after this step's writes).
     Weights past protobuf's 2 GiB go to an external-data file beside it (the parser finds it).
     """
     if pool_carrier not in POOL_CARRIERS:
@@ -386,12 +387,15 @@ def export_onnx(ep: ExportedProgram, path: str | Path, pool_carrier: str = "int3
 
 
 def _name_outputs(model: ir.Model, pools: list[str]) -> None:
-    """``logits``, then ``<pool>_out`` for every pool the step writes (functionalize's output order)."""
+    """``logits`` (and ``hidden``), then ``<pool>_out`` for every pool the step writes (functionalize's
+    output order; the step contract's STEP_OUTPUTS, dsa_trt/step.py)."""
     outputs = model.graph.outputs
-    if len(outputs) != 1 + len(pools):
-        raise OnnxExportError(f"expected logits + {len(pools)} pools as outputs, got {[v.name for v in outputs]}")
-    outputs[0].name = LOGITS
-    for value, pool in zip(outputs[1:], pools):
+    num_user = len(outputs) - len(pools)
+    if not 1 <= num_user <= len(STEP_OUTPUTS):
+        raise OnnxExportError(f"expected {STEP_OUTPUTS} + {len(pools)} pools as outputs, got {[v.name for v in outputs]}")
+    for value, name in zip(outputs[:num_user], STEP_OUTPUTS):
+        value.name = name
+    for value, pool in zip(outputs[num_user:], pools):
         producer = value.producer()
         if producer is None or producer.domain != PLUGIN_DOMAIN or producer.op_type not in ALIASED:
             raise OnnxExportError(f"output for {pool} is not made by a DSA cache write: {producer}")

@@ -5,6 +5,7 @@ engine_dir/
   rank<N>.<ext>             the program of rank N (one step): .pt2 (AOTInductor) or .plan (TensorRT)
   rank<N>.weights.safetensors  rank N's weights, outside its .pt2 (``weights: "safetensors"``;
                             dsa_trt/weights_file.py: names, dtypes and shapes of the program's constants)
+  rank<N>.mtp.<ext>         the MTP draft program of rank N (export/mtp.py), when mtp_layers > 0
   tokenizer.json            (+ tokenizer_config.json)
   quant/<recipe>.json       calibration artifact (fp8 cache mode)
 
@@ -51,6 +52,9 @@ class EngineConfig:
     tokenizer: str = "tokenizer.json"
     plugin_library: str | None = None  # TensorRT plugin library file name (tensorrt only)
     weights: str | None = None  # "safetensors": rank<N>.weights.safetensors; None: inside the program (older engines)
+    # MTP layers compiled as the draft program rank<N>.mtp.<ext> (speculative decoding); the main
+    # programs then also return the ``hidden`` output (dsa_trt/step.py). 0: no draft program.
+    mtp_layers: int = 0
     versions: dict = field(default_factory=dict)  # library versions at build time
     format_version: int = ENGINE_FORMAT_VERSION
     dsa_trt_version: str = __version__
@@ -69,6 +73,9 @@ class EngineConfig:
             problems.append(f"page_size {self.page_size}: this runtime supports {PAGE_SIZE}")
         if self.weights not in WEIGHTS_FORMATS:
             problems.append(f"weights {self.weights!r} not in {WEIGHTS_FORMATS}")
+        if not 0 <= self.mtp_layers <= self.model.num_nextn_predict_layers:
+            problems.append(f"mtp_layers {self.mtp_layers} not in [0, num_nextn_predict_layers "
+                            f"{self.model.num_nextn_predict_layers}]")
         if len(self.kv_scales) != self.model.num_hidden_layers:
             problems.append(f"kv_scales has {len(self.kv_scales)} entries for {self.model.num_hidden_layers} layers")
         if problems:
@@ -86,9 +93,14 @@ class EngineConfig:
         """The file of rank ``rank``'s weights, or None when they are inside its program."""
         return weights_file_name(rank) if self.weights == "safetensors" else None
 
+    def draft_file(self, rank: int) -> str:
+        """The MTP draft program of rank ``rank`` (present when mtp_layers > 0)."""
+        return f"rank{rank}.mtp.{COMPILERS[self.compiler]}"
+
     def rank_files(self, rank: int) -> list[str]:
-        """Every file rank ``rank`` loads for its program: the program, and its weights when apart."""
-        return [self.rank_file(rank)] + ([w] if (w := self.rank_weights_file(rank)) else [])
+        """Every file rank ``rank`` loads: its program, its weights when apart, its draft program."""
+        return ([self.rank_file(rank)] + ([w] if (w := self.rank_weights_file(rank)) else [])
+                + ([self.draft_file(rank)] if self.mtp_layers else []))
 
     # I/O
     def save(self, engine_dir: str | Path) -> Path:
@@ -188,7 +200,7 @@ def write_manifest(engine_dir: str | Path, cfg: EngineConfig) -> Path:
     engine_dir = Path(engine_dir)
     raw = json.loads((engine_dir / ENGINE_CONFIG_NAME).read_text())
     tie = config_sha256(raw)
-    programs = {cfg.rank_file(r) for r in range(cfg.tp_size)}
+    programs = {f for r in range(cfg.tp_size) for f in cfg.rank_files(r)}
     names = sorted(p.relative_to(engine_dir).as_posix() for p in engine_dir.rglob("*")
                    if p.is_file() and p.name != MANIFEST_NAME and p.parent.name != "__pycache__"
                    and p.relative_to(engine_dir).as_posix() != ENGINE_CONFIG_NAME)

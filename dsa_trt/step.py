@@ -14,14 +14,23 @@ derives from it: the exported program's positional inputs and dynamic shapes (``
 static buffers (``StepInputs.padding``) and the Triton step model (runtime/triton/repository.py).
 
 Program I/O around the step inputs: the per-layer cache pools ``mla_pools_<l>`` and
-``index_pools_<l>`` (dim 0 ``pool_pages``), then the outputs ``logits`` [logit_rows, vocab] fp32
-and, in the ONNX / TensorRT form, ``<pool input>_out`` aliased to each written pool.
+``index_pools_<l>`` (dim 0 ``pool_pages``), then the outputs ``STEP_OUTPUTS``: ``logits``
+[logit_rows, vocab] fp32 and, in programs built for speculative decoding (engine_config.json
+``mtp_layers`` > 0), ``hidden`` [tokens, hidden_size] in the activation dtype; in the ONNX /
+TensorRT form ``<pool input>_out`` (aliased to each written pool) follow them.
+
+``hidden`` is returned for every packed token, not only the logits rows (a documented equivalent of
+"the hidden states at the logits rows"): the MTP layer keeps its own cache, so every computed
+position needs its draft-layer entry, which is made from that position's main hidden state. The
+main program's ``hidden`` is its final-norm output (the lm_head input, MODEL.md §5); the draft
+program (export/mtp.py) takes it as the extra input ``DRAFT_HIDDEN_INPUT`` after the step tensors
+and returns its own layer output as ``hidden`` (fed back for the next draft token).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Mapping, Union
+from typing import Mapping, NamedTuple, Union
 
 import torch
 
@@ -53,7 +62,33 @@ STEP_DIMS = (
 POOL_PAGES = StepDim("pool_pages", 2, None, 1 << 24)
 POOL_INPUTS = ("mla_pools", "index_pools")  # the program's pool arguments after the step tensors
 LOGITS = "logits"
+HIDDEN = "hidden"
+STEP_OUTPUTS = (LOGITS, HIDDEN)  # the program outputs, in order (``hidden`` only in MTP-enabled engines)
+DRAFT_HIDDEN_INPUT = "hidden_states"  # the draft program's input after the step tensors: [tokens, hidden_size]
 POOL_OUTPUT_SUFFIX = "_out"
+
+
+class StepOutput(NamedTuple):
+    """What one program call returns: ``logits`` [logit_rows, vocab] fp32 and ``hidden``
+    [tokens, hidden_size] (None when the program does not return it)."""
+
+    logits: torch.Tensor
+    hidden: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, result) -> "StepOutput":
+        """A program's raw result (a tensor, or a tuple in STEP_OUTPUTS order) as a StepOutput."""
+        if isinstance(result, torch.Tensor):
+            return cls(result)
+        result = tuple(result)
+        if not 1 <= len(result) <= len(STEP_OUTPUTS):
+            raise ValueError(f"a step program returns {STEP_OUTPUTS}, got {len(result)} outputs")
+        return cls(*result)
+
+
+def output_names(with_hidden: bool) -> tuple[str, ...]:
+    """The program's output names (before the ONNX form's pool outputs)."""
+    return STEP_OUTPUTS if with_hidden else STEP_OUTPUTS[:1]
 
 
 @dataclass(frozen=True)
@@ -227,11 +262,13 @@ def export_dims(max_num_tokens: int, max_batch: int, max_pages_per_seq: int) -> 
             for name, (lo, hi) in dim_bounds(max_num_tokens, max_batch, max_pages_per_seq).items()}
 
 
-def dynamic_shapes(dims: Mapping, num_layers: int) -> tuple:
-    """torch.export dynamic_shapes of ``program(*step.as_tuple(), mla_pools, index_pools)``."""
+def dynamic_shapes(dims: Mapping, num_layers: int, draft: bool = False) -> tuple:
+    """torch.export dynamic_shapes of ``program(*step.as_tuple(), mla_pools, index_pools)``; with
+    ``draft``, of ``draft_program(*step.as_tuple(), hidden_states, mla_pools, index_pools)``."""
     step = tuple({axis: dims[name] for axis, name in enumerate(f.dims)} for f in STEP_FIELDS)
+    extra = ({0: dims["tokens"]},) if draft else ()
     pools = [{0: dims[POOL_PAGES.name]}] * num_layers
-    return step + tuple(pools for _ in POOL_INPUTS)
+    return step + extra + tuple(pools for _ in POOL_INPUTS)
 
 
 def onnx_dim_names() -> dict[tuple[str, int], str]:

@@ -205,6 +205,8 @@ class DSAForCausalLM(nn.Module):
         self.model = DSAModelBody(cfg, dtype, tp_rank, tp_size, expert_op, fp8_linears)
         self.lm_head = linear(cfg.hidden_size, cfg.vocab_size, dtype)
         self.register_buffer("inv_freq", cfg.rope_inv_freq(), persistent=False)
+        # True in engines built for speculative decoding: forward returns (logits, hidden) (dsa_trt/step.py)
+        self.return_hidden = False
 
     def set_kv_scales(self, scales: list[float]) -> None:
         for layer, s in zip(self.model.layers, scales, strict=True):
@@ -223,5 +225,8 @@ class DSAForCausalLM(nn.Module):
         h = self.model.embed_tokens(input_ids)
         for layer, mla_pool, index_pool in zip(self.model.layers, mla_pools, index_pools):
             h = layer(h, cos, sin, meta, mla_pool, index_pool, self.cache_mode)
+        if self.return_hidden:  # the MTP draft program's input: every token's final-norm state (dsa_trt/step.py)
+            h = self.model.norm(h)  # row-wise, so norm(h)[rows] == norm(h[rows])
+            return F.linear(h[logits_indices].float(), self.lm_head.weight.float()), h
         h = self.model.norm(h[logits_indices])
         return F.linear(h.float(), self.lm_head.weight.float())  # lm_head in fp32 (docs/architecture.md §8)

@@ -19,13 +19,14 @@ def _generate(a: argparse.Namespace) -> int:
 
     tp = EngineConfig.load(a.engine).tp_size
     if tp == 1:
-        return _generate_with(LLM(a.engine), a)
+        return _generate_with(LLM(a.engine, speculative=a.speculative), a)
     from . import distributed  # one process per rank; rank 0 schedules, samples and prints
 
     if "RANK" not in os.environ:
         print(f"tensor-parallel engine (tp={tp}): launching {tp} ranks with torchrun", file=sys.stderr, flush=True)
         return distributed.relaunch_with_torchrun(tp, ["dsa_trt.runtime.cli", *a.argv])
-    return distributed.run_tensor_parallel(a.engine, lambda engine: _generate_with(LLM(engine), a)) or 0
+    return distributed.run_tensor_parallel(
+        a.engine, lambda engine: _generate_with(LLM(engine, speculative=a.speculative), a)) or 0
 
 
 def _generate_with(llm, a: argparse.Namespace) -> int:
@@ -44,7 +45,14 @@ def _generate_with(llm, a: argparse.Namespace) -> int:
     n = sum(len(o.token_ids) for o in outs)
     print(f"--- {len(outs)} prompts, {n} tokens in {dt:.2f} s ({n / dt:.1f} tok/s) on {llm.device}; "
           f"cache holds {llm.tokens_that_fit:,} tokens")
+    if llm.spec_stats is not None:
+        print(f"--- {_spec_line(llm.spec_stats)}")
     return 0
+
+
+def _spec_line(st) -> str:
+    return (f"speculative (MTP): acceptance rate {st.acceptance_rate:.1%} ({st.accepted}/{st.drafted} drafts), "
+            f"mean accepted length {st.mean_accepted_length:.2f} tokens per verify step")
 
 
 def _serve(a: argparse.Namespace) -> int:
@@ -66,7 +74,7 @@ def _serve(a: argparse.Namespace) -> int:
         return 2
     work = Path(a.work_dir or tempfile.mkdtemp(prefix="dsa-trt-serve-"))
     repo = write_model_repository(a.engine, a.model_repository or work / "model_repository", a.model_name,
-                                  num_pages=a.num_pages, launch_id=launch_id)
+                                  num_pages=a.num_pages, launch_id=launch_id, speculative=a.speculative)
     server.repo, server.extra_args = repo.path, repo.server_args
     try:
         server.start(work).wait_ready(a.ready_timeout)
@@ -120,7 +128,7 @@ def _bench(a: argparse.Namespace) -> int:
 
     if a.num_prompts < 1 or a.prompt_len < 1:
         raise ValueError(f"--num-prompts {a.num_prompts} and --prompt-len {a.prompt_len} must be >= 1")
-    engine = AsyncLLM(a.engine, num_pages=a.num_pages)
+    engine = AsyncLLM(a.engine, num_pages=a.num_pages, speculative=a.speculative)
     try:
         vocab = engine.llm.model_config.vocab_size
         g = torch.Generator().manual_seed(a.seed)
@@ -158,6 +166,8 @@ def _bench(a: argparse.Namespace) -> int:
     print(f"  latency p50 {_percentile(last, 50) * ms:.0f} ms  p99 {_percentile(last, 99) * ms:.0f} ms; "
           f"first token p50 {_percentile(first, 50) * ms:.0f} ms  p99 {_percentile(first, 99) * ms:.0f} ms "
           "(all submitted at t=0)")
+    if engine.llm.spec_stats is not None:
+        print(f"  {_spec_line(engine.llm.spec_stats)}")
     return 0
 
 
@@ -214,6 +224,10 @@ DETERMINISTIC_HELP = ("pad every step to a multiple of 16 tokens: a request's ou
                       "batched with, bitwise on the CPU engine (sets DSA_DETERMINISTIC=1; README: cost)")
 
 
+SPECULATIVE_HELP = ("speculative decoding with the engine's MTP layer: draft N tokens per step (mtp = mtp:1) and "
+                    "verify them in one step; needs an engine built with its MTP draft program (default: off)")
+
+
 def parser() -> argparse.ArgumentParser:
     """The `dsa-trt` argument parser: subcommands generate, serve, bench and plan."""
     ap = argparse.ArgumentParser(prog="dsa-trt", formatter_class=_HelpFormatter)
@@ -229,6 +243,7 @@ def parser() -> argparse.ArgumentParser:
                    help="sampling seed, each prompt's generator seeded with it (default: unseeded)")
     g.add_argument("--stop", action="append", help="a stop string (repeat for several; default: none)")
     g.add_argument("--deterministic", action="store_true", help=DETERMINISTIC_HELP)
+    g.add_argument("--speculative", default=None, metavar="mtp[:N]", help=SPECULATIVE_HELP)
     g.set_defaults(fn=_generate)
     s = sub.add_parser("serve", help="serve the engine with Triton (decoupled python model, TRT-LLM schema)",
                        formatter_class=_HelpFormatter)
@@ -243,6 +258,7 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--num-pages", type=int, default=None, help="cache pages (default: DSA_NUM_PAGES or sized)")
     s.add_argument("--ready-timeout", type=float, default=300.0, help="seconds to wait for the server to be ready")
     s.add_argument("--deterministic", action="store_true", help=DETERMINISTIC_HELP)
+    s.add_argument("--speculative", default=None, metavar="mtp[:N]", help=SPECULATIVE_HELP)
     s.set_defaults(fn=_serve)
     b = sub.add_parser("bench", help="offline throughput and latency over N prompts", formatter_class=_HelpFormatter)
     b.add_argument("--engine", required=True, help="engine directory written by `make engine`")
@@ -253,6 +269,7 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--seed", type=int, default=0, help="seed of the random prompts; prompt i samples with seed + i")
     b.add_argument("--num-pages", type=int, default=None, help="cache pages (default: DSA_NUM_PAGES or sized)")
     b.add_argument("--deterministic", action="store_true", help=DETERMINISTIC_HELP)
+    b.add_argument("--speculative", default=None, metavar="mtp[:N]", help=SPECULATIVE_HELP)
     b.set_defaults(fn=_bench)
     _add_plan_parser(sub)
     return ap

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from dsa_trt.step import ROW, STEP_FIELDS, StepInputs
+from dsa_trt.step import ROW, STEP_FIELDS, StepInputs, StepOutput
 
 from .engine import Engine
 
@@ -53,12 +53,13 @@ class _Graph:
         torch.cuda.current_stream(dev).wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, pool=pool_handle):
-            self.logits = engine.forward(step, *pools)
+            self.out = engine.run(step, *pools)  # every output of the step contract (logits, hidden)
 
-    def run(self, step: StepInputs) -> torch.Tensor:
+    def run(self, step: StepInputs) -> StepOutput:
         copy_step(self.static, step)
         self.graph.replay()
-        return self.logits[: step.page_table.shape[0]]
+        n = step.page_table.shape[0]  # a decode step: one token and one logits row per sequence
+        return StepOutput(self.out.logits[:n], None if self.out.hidden is None else self.out.hidden[:n])
 
 
 class CudaGraphRunner:
@@ -85,11 +86,15 @@ class CudaGraphRunner:
                 and step.logits_indices.shape[0] == step.input_ids.shape[0])
 
     def forward(self, step: StepInputs) -> torch.Tensor:
+        return self.run(step).logits
+
+    def run(self, step: StepInputs) -> StepOutput:
+        """Every output of the step (graph replay for decode steps, eager otherwise)."""
         batch, width = step.page_table.shape
         b = _bucket(batch, self.buckets)
         w = _bucket(width, [MIN_WIDTH << i for i in range(32) if (MIN_WIDTH << i) <= max(self.max_width, MIN_WIDTH)])
         if not self.is_decode(step) or b is None or w is None:
-            return self.engine.forward(step.pad_tokens(self.min_batch), *self.pools)
+            return self.engine.run(step.pad_tokens(self.min_batch), *self.pools)
         key = (b, w)
         if key not in self._graphs:
             self._graphs[key] = _Graph(self.engine, b, w, self.pools, self._pool_handle)

@@ -35,14 +35,14 @@ import torch.distributed as dist
 from dsa_trt.engine_config import EngineConfig, EngineDirError
 from dsa_trt.plugins.collectives import EPCapacityError
 from dsa_trt.plugins.pools import allocate_pools
-from dsa_trt.step import ROW, STEP_DIMS, STEP_FIELDS, StepInputs
+from dsa_trt.step import ROW, STEP_DIMS, STEP_FIELDS, StepInputs, StepOutput
 
 from . import knobs
 from .engine import Engine
 
 T = TypeVar("T")
 
-CMD_STOP, CMD_STEP = 0, 1
+CMD_STOP, CMD_STEP, CMD_DRAFT = 0, 1, 2  # CMD_DRAFT: an MTP draft step; its hidden_states follow the payload
 # header: cmd, the size of every STEP_DIMS dim (tokens, batch, pages_per_seq, logit_rows), then
 # the pool's page count; the payload carries the StepInputs fields (STEP_FIELDS
 # order) as one int64 vector, each field restored to its own dtype on the receiving rank
@@ -158,9 +158,10 @@ def _shapes(header: list[int]) -> list[tuple[int, ...]]:
     return [tuple(sizes[d] for d in f.dims) for f in STEP_FIELDS]
 
 
-def _pack(step: StepInputs, num_pages: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def _pack(step: StepInputs, num_pages: int, device: torch.device, cmd: int = CMD_STEP
+          ) -> tuple[torch.Tensor, torch.Tensor]:
     sizes = step.dim_sizes()
-    header = [CMD_STEP, *(sizes[d.name] for d in STEP_DIMS), num_pages]
+    header = [cmd, *(sizes[d.name] for d in STEP_DIMS), num_pages]
     payload = torch.cat([x.reshape(-1).to(device=device, dtype=torch.int64) for x in step.as_tuple()])
     return torch.tensor(header, dtype=torch.int64, device=device), payload
 
@@ -186,13 +187,13 @@ class DistributedEngine(Engine):
     interleaved share (tokens i % p == rank) of the one step every rank received."""
 
     def __init__(self, engine: Engine, context_parallel: int = 1):
-        super().__init__(engine.config, engine.program, engine.device, engine.tokenizer_path)
+        super().__init__(engine.config, engine.program, engine.device, engine.tokenizer_path, engine.draft_program)
         self.context_parallel = context_parallel
         self._stopped = False
         self._steps = 0
 
     @torch.no_grad()
-    def forward(self, step: StepInputs, mla_pools: list[torch.Tensor], index_pools: list[torch.Tensor]) -> torch.Tensor:
+    def run(self, step: StepInputs, mla_pools: list[torch.Tensor], index_pools: list[torch.Tensor]) -> StepOutput:
         if self.context_parallel > 1:
             n = step.input_ids.shape[0]
             step = pad_step_tokens(step, -(-n // self.context_parallel) * self.context_parallel)
@@ -202,9 +203,23 @@ class DistributedEngine(Engine):
         def run():
             dist.broadcast(header, src=0)
             dist.broadcast(payload, src=0)
-            return super(DistributedEngine, self).forward(step, mla_pools, index_pools)
+            return super(DistributedEngine, self).run(step, mla_pools, index_pools)
 
         return guarded(f"step {self._steps}", run)
+
+    @torch.no_grad()
+    def draft(self, step: StepInputs, hidden_states: torch.Tensor, mla_pools: list[torch.Tensor],
+              index_pools: list[torch.Tensor]) -> StepOutput:
+        header, payload = _pack(step, mla_pools[0].shape[0], self.device, CMD_DRAFT)
+        hidden_states = hidden_states.contiguous()
+
+        def run():
+            dist.broadcast(header, src=0)
+            dist.broadcast(payload, src=0)
+            dist.broadcast(hidden_states, src=0)
+            return super(DistributedEngine, self).draft(step, hidden_states, mla_pools, index_pools)
+
+        return guarded(f"draft of step {self._steps}", run)
 
     def shutdown(self) -> None:
         """Releases the workers (idempotent)."""
@@ -219,6 +234,7 @@ class DistributedEngine(Engine):
 def worker_loop(engine: Engine) -> int:
     """Rank > 0: mirrors rank 0's steps on this rank's engine and caches; returns the steps run."""
     pools: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
+    mtp_pools: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None  # the draft layer's, on first use
     cfg, steps = engine.config, 0
     header_t = torch.empty(HEADER_LEN, dtype=torch.int64, device=engine.device)
     while True:
@@ -227,13 +243,23 @@ def worker_loop(engine: Engine) -> int:
         if header[0] == CMD_STOP:
             return steps
         num_pages = header[POOL_PAGES_AT]
-        if pools is None or pools[0][0].shape[0] != num_pages:  # same page count as rank 0
-            pools = allocate_pools(cfg.model, cfg.cache_mode, num_pages, engine.device)
         payload = torch.empty(_payload_len(header), dtype=torch.int64, device=engine.device)
 
         def run():
+            nonlocal pools, mtp_pools
             dist.broadcast(payload, src=0)
-            engine.forward(_unpack(header, payload), *pools)
+            step = _unpack(header, payload)
+            if header[0] == CMD_DRAFT:
+                if mtp_pools is None or mtp_pools[0][0].shape[0] != num_pages:
+                    mtp_pools = allocate_pools(cfg.model, cfg.cache_mode, num_pages, engine.device, num_layers=1)
+                hidden = torch.empty(step.input_ids.shape[0], cfg.model.hidden_size, dtype=getattr(torch, cfg.dtype),
+                                     device=engine.device)
+                dist.broadcast(hidden, src=0)
+                engine.draft(step, hidden, *mtp_pools)
+            else:
+                if pools is None or pools[0][0].shape[0] != num_pages:  # same page count as rank 0
+                    pools = allocate_pools(cfg.model, cfg.cache_mode, num_pages, engine.device)
+                engine.run(step, *pools)
 
         guarded(f"step {steps + 1}", run)
         steps += 1

@@ -1,5 +1,9 @@
 """Engines: one per rank, ``forward(step, mla_pools, index_pools) -> logits`` (docs/architecture.md §6).
 
+``run`` returns every program output (dsa_trt/step.py StepOutput: logits, and the final-norm
+``hidden`` of every token in engines built with an MTP draft program); ``draft`` runs that draft
+program (export/mtp.py) over its own one-layer pools.
+
 ``Engine.load(engine_dir)`` opens the compiled program of one rank of an engine directory (an
 AOTInductor package gets its weights from rank<N>.weights.safetensors, mapped, checked against
 the package's constant table, handed to load_constants: dsa_trt/weights_file.py); every
@@ -23,6 +27,8 @@ from dsa_trt.engine_config import EngineConfig, EngineDirError, verify_engine_fi
 from dsa_trt.package_check import PackageLinkError, check_package
 from dsa_trt.weights_file import WeightsFileError, check_against_table, constant_table, map_weights
 
+from dsa_trt.step import StepOutput
+
 from .step_inputs import StepInputs
 
 Program = Callable[..., torch.Tensor]
@@ -30,14 +36,16 @@ Program = Callable[..., torch.Tensor]
 
 class Engine:
     def __init__(self, config: EngineConfig, program: Program, device: torch.device,
-                 tokenizer_path: Path | None = None):
+                 tokenizer_path: Path | None = None, draft_program: Program | None = None):
         self.config = config
         self.tokenizer_path = tokenizer_path
         self.device = device
         self.program = program
+        self.draft_program = draft_program  # the MTP layer (speculative decoding), or None
 
     @classmethod
-    def load(cls, engine_dir: str | Path, rank: int = 0, device: str | None = None) -> "Engine":
+    def load(cls, engine_dir: str | Path, rank: int = 0, device: str | None = None, draft: bool = True) -> "Engine":
+        """draft: also load the MTP draft program when the directory has one (mtp_layers > 0)."""
         engine_dir = Path(engine_dir)
         cfg = EngineConfig.load(engine_dir)
         verify_engine_files(engine_dir, cfg, rank)  # manifest.json: sizes, sha256, config tie (DSA_VERIFY_ENGINE)
@@ -54,21 +62,41 @@ class Engine:
                 cuda_ops.check_engine(dev, cfg.cache_mode, cfg.dtype, what=str(engine_dir))
             except RuntimeError as e:
                 raise EngineDirError(str(e)) from e
+        names = [cfg.rank_file(rank)] + ([cfg.draft_file(rank)] if draft and cfg.mtp_layers else [])
         if cfg.compiler == "aoti":
-            program = _load_aoti(engine_dir / cfg.rank_file(rank), dev)
-            if (weights := cfg.rank_weights_file(rank)) is not None:
-                program = _with_weights(program, engine_dir / cfg.rank_file(rank), engine_dir / weights, dev)
+            programs = [_load_aoti(engine_dir / name, dev) for name in names]
+            if (weights := cfg.rank_weights_file(rank)) is not None:  # the main program's, outside it
+                programs[0] = _with_weights(programs[0], engine_dir / cfg.rank_file(rank), engine_dir / weights, dev)
         elif cfg.compiler == "tensorrt":
             from .tensorrt_engine import load_plan  # thin adapter; needs `import tensorrt`
 
-            program = load_plan(engine_dir, cfg, rank)
+            programs = [load_plan(engine_dir, cfg, rank, name) for name in names]
         else:
             raise EngineDirError(f"{engine_dir}: compiler {cfg.compiler!r} has no runtime loader")
-        return cls(cfg, program, dev, engine_dir / cfg.tokenizer)
+        return cls(cfg, programs[0], dev, engine_dir / cfg.tokenizer, programs[1] if len(programs) > 1 else None)
 
     @torch.no_grad()
+    def run(self, step: StepInputs, mla_pools: list[torch.Tensor], index_pools: list[torch.Tensor]) -> StepOutput:
+        return StepOutput.of(self.program(*step.as_tuple(), mla_pools, index_pools))
+
     def forward(self, step: StepInputs, mla_pools: list[torch.Tensor], index_pools: list[torch.Tensor]) -> torch.Tensor:
-        return self.program(*step.as_tuple(), mla_pools, index_pools)
+        """The logits [logit_rows, vocab] of the step (``run`` gives every output)."""
+        return self.run(step, mla_pools, index_pools).logits
+
+    @property
+    def has_draft(self) -> bool:
+        return self.draft_program is not None
+
+    @torch.no_grad()
+    def draft(self, step: StepInputs, hidden_states: torch.Tensor, mla_pools: list[torch.Tensor],
+              index_pools: list[torch.Tensor]) -> StepOutput:
+        """One MTP draft step: ``step.input_ids`` are the next tokens (t_{i+1} at position i),
+        ``hidden_states`` [tokens, D] the main model's final-norm states (or the previous draft
+        step's ``hidden``); pools: the MTP layer's own, one layer each (export/mtp.py)."""
+        if self.draft_program is None:
+            raise RuntimeError("this engine has no MTP draft program (engine_config.json mtp_layers = 0, or it was "
+                               "loaded with draft=False)")
+        return StepOutput.of(self.draft_program(*step.as_tuple(), hidden_states, mla_pools, index_pools))
 
 
 def _load_aoti(path: Path, device: torch.device) -> Program:
@@ -127,6 +155,6 @@ def _with_weights(program, package: Path, weights_path: Path, device: torch.devi
     return AotiProgram(program, tensors, mapping)
 
 
-def eager_engine(net, config: EngineConfig, device: torch.device, tokenizer_path: Path) -> Engine:
-    """The reference path: the eager network wrapped as an Engine (same interface)."""
-    return Engine(config, net, device, Path(tokenizer_path))
+def eager_engine(net, config: EngineConfig, device: torch.device, tokenizer_path: Path, draft_net=None) -> Engine:
+    """The reference path: the eager network (and MTP draft network) wrapped as an Engine (same interface)."""
+    return Engine(config, net, device, Path(tokenizer_path), draft_net)

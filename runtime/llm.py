@@ -24,6 +24,7 @@ from .engine import Engine
 from .page_pool import PagePool
 from .sampling import SamplingParams, make_generator, sample
 from .scheduler import Request, Scheduler
+from .speculative import MTPSpeculator, SpecStats, parse_speculative
 from .tokenizer import Tokenizer
 
 DETERMINISTIC_TOKEN_BLOCK = 16  # rows per linear block in the deterministic mode (docs/architecture.md §8)
@@ -68,15 +69,26 @@ def _kernels_capturable() -> bool:
 class LLM:
     def __init__(self, engine: str | Path | Engine, num_pages: int | None = None,
                  cache_fraction: float | None = None, max_num_tokens: int | None = None, max_num_seqs: int = 256,
-                 deterministic: bool | None = None):
+                 deterministic: bool | None = None, speculative: str | None = None):
         """deterministic (default: DSA_DETERMINISTIC): pad every step to a multiple of
         DETERMINISTIC_TOKEN_BLOCK tokens, so a request's logits are bitwise the same whatever it is
         batched with on the CPU engine (the default path already gives every row the same program
-        and per-row kernels; its linears' rounding may still depend on the step's row count)."""
+        and per-row kernels; its linears' rounding may still depend on the step's row count).
+
+        speculative: None (off), "mtp" or "mtp:N": draft N tokens per step (default 1) with the
+        engine's MTP draft program and verify them in one target step (runtime/speculative.py); the
+        MTP layer then gets its own cache pools on the same pages (one more layer of cache)."""
         knobs.validate_environment()  # a bad DSA_* value fails here, naming the variable
         self.deterministic = knobs.get("DSA_DETERMINISTIC") == "1" if deterministic is None else bool(deterministic)
-        self.engine = engine if isinstance(engine, Engine) else Engine.load(engine)
+        self.num_draft = parse_speculative(speculative)
+        self.engine = engine if isinstance(engine, Engine) else Engine.load(engine, draft=self.num_draft > 0)
         cfg = self.engine.config
+        if self.num_draft and not self.engine.has_draft:
+            where = engine if not isinstance(engine, Engine) else "this engine"
+            raise ValueError(
+                f"speculative={speculative!r}: {where} has no MTP draft program (engine_config.json mtp_layers="
+                f"{cfg.mtp_layers}); rebuild it from a checkpoint with an MTP layer (num_nextn_predict_layers >= 1) "
+                "without --no-mtp, or run without speculative decoding")
         self.model_config = cfg.model
         if self.engine.tokenizer_path is None:
             raise ValueError("the engine has no tokenizer_path: load it with Engine.load(engine_dir)")
@@ -85,6 +97,8 @@ class LLM:
         pages = self._num_pages(num_pages, cache_fraction)
         self.pool = PagePool(pages)
         self.mla_pools, self.index_pools = allocate_pools(cfg.model, cfg.cache_mode, pages, self.device)
+        pad = DETERMINISTIC_TOKEN_BLOCK if self.deterministic else 1
+        self.speculator = MTPSpeculator(self.engine, self.num_draft, pages, pad) if self.num_draft else None
         self.graphs = None
         if self.device.type == "cuda" and knobs.get("DSA_CUDA_GRAPHS") == "1" and _kernels_capturable():
             from .cuda_graphs import CudaGraphRunner
@@ -104,6 +118,7 @@ class LLM:
             max_num_seqs=min(max_num_seqs, cfg.max_batch), max_model_len=self.max_model_len,
             eos_token_ids=cfg.model.eos_token_id,
             max_model_len_note=", ".join(f"{k} {v}" for k, v in self.limits.items()),
+            num_draft=self.num_draft,
         )
         self._outputs: dict[str, CompletionOutput] = {}
         self._ids = itertools.count()
@@ -127,20 +142,32 @@ class LLM:
         elif not 0 < fraction < 1:
             raise ValueError(f"cache_fraction={fraction} must be in (0, 1)")
         free, _ = torch.cuda.mem_get_info(self.device)
-        return PagePool.from_memory(free, fraction, self.engine.config.cache_bytes_per_token).num_pages
+        return PagePool.from_memory(free, fraction, self.cache_bytes_per_token).num_pages
+
+    @property
+    def cache_bytes_per_token(self) -> int:
+        """Both caches of every layer, plus the MTP layer's with speculative decoding."""
+        cfg = self.engine.config
+        extra = cfg.cache_bytes_per_token // cfg.model.num_hidden_layers if self.num_draft else 0
+        return cfg.cache_bytes_per_token + extra
+
+    @property
+    def spec_stats(self) -> SpecStats | None:
+        """Drafted / accepted counts of speculative decoding (None when it is off)."""
+        return self.speculator.stats if self.speculator is not None else None
 
     def _check_fits(self, num_pages: int, source: str) -> None:
         """Refuse a pool larger than the memory that could hold it, before allocating it."""
-        need = num_pages * PAGE_SIZE * self.engine.config.cache_bytes_per_token
+        need = num_pages * PAGE_SIZE * self.cache_bytes_per_token
         if self.device.type == "cuda":
             avail, where = torch.cuda.mem_get_info(self.device)[0], f"free on {self.device}"
         else:
             avail, where = available_host_memory(), "available host memory (MemAvailable)"
         if avail is not None and need > avail:
             raise ValueError(
-                f"{source}: {num_pages:,} pages x {PAGE_SIZE} tokens x {self.engine.config.cache_bytes_per_token:,} "
+                f"{source}: {num_pages:,} pages x {PAGE_SIZE} tokens x {self.cache_bytes_per_token:,} "
                 f"B/token = {need / 2**30:,.2f} GiB of cache, but only {avail / 2**30:,.2f} GiB is {where}; "
-                f"lower it (at most {avail // (PAGE_SIZE * self.engine.config.cache_bytes_per_token):,} pages fit)"
+                f"lower it (at most {avail // (PAGE_SIZE * self.cache_bytes_per_token):,} pages fit)"
             )
 
     @property
@@ -194,23 +221,31 @@ class LLM:
             if step is None:
                 return []
             try:
-                inputs = step.inputs.to(self.device)
-                if self.graphs is not None:
-                    logits = self.graphs.forward(inputs)  # pads its eager steps like the branch below
+                if self.speculator is not None:
+                    self.speculator.propose(step)  # the MTP pass; writes the drafts into step.inputs
+                out = self._run(step.inputs.to(self.device))
+                if self.speculator is not None:
+                    sampled, logps = self.speculator.verify(step, out)
                 else:
-                    if self.deterministic:
-                        inputs = inputs.pad_tokens(DETERMINISTIC_TOKEN_BLOCK)
-                    logits = self.engine.forward(inputs, self.mla_pools, self.index_pools)
-                rows = step.sample_rows.to(self.device)
-                out = sample(logits[rows], **step.sampling_args())
-                tokens = out.token_ids.tolist()
+                    rows = step.sample_rows.to(self.device)
+                    res = sample(out.logits[rows], **step.sampling_args())
+                    sampled = [[t] for t in res.token_ids.tolist()]
+                    logps = [[lp] for lp in res.logprobs.tolist()] if res.logprobs is not None else None
             except BaseException:
                 self._abort_step(step)
                 raise
-            logps = out.logprobs.tolist() if out.logprobs is not None else None
             reqs = step.sampling_requests
-            self.scheduler.update(step, tokens)
-            return [self._advance(r, tok, logps[i] if logps else None) for i, (r, tok) in enumerate(zip(reqs, tokens))]
+            self.scheduler.update(step, sampled)
+            # a request finished by a stop token keeps the tokens up to it (update's new_tokens)
+            return [self._advance(r, step.new_tokens.get(r.request_id, toks), logps[i] if logps else None)
+                    for i, (r, toks) in enumerate(zip(reqs, sampled))]
+
+    def _run(self, inputs):
+        if self.graphs is not None:
+            return self.graphs.run(inputs)  # pads its eager steps like the branch below
+        if self.deterministic:
+            inputs = inputs.pad_tokens(DETERMINISTIC_TOKEN_BLOCK)
+        return self.engine.run(inputs, self.mla_pools, self.index_pools)
 
     def _abort_step(self, step) -> None:
         """A failed engine step: end its requests with finish_reason "error" (their caches may be
@@ -221,27 +256,34 @@ class LLM:
                 self.scheduler.finish(rid, "error")
                 if rid in self._outputs:
                     self._outputs[rid].finish_reason = "error"
-        self.scheduler.update(step, [0] * len(step.sample_rows))  # every request in it is finished: no-op
+        self.scheduler.update(step, [[0]] * len(step.sample_rows))  # every request in it is finished: no-op
 
-    def _advance(self, req: Request, token: int, logprob: float | None) -> StepDelta:
+    def _advance(self, req: Request, tokens: list[int], logprobs: list[float] | None) -> StepDelta:
         o = self._outputs[req.request_id]
-        o.token_ids.append(token)
-        if o.logprobs is not None and logprob is not None:
-            o.logprobs.append(logprob)
-        o.num_cached_tokens = req.num_cached_tokens
         old_text = o.text
-        o.text = self.tokenizer.decode(o.token_ids)
-        for s in req.params.stop:
-            cut = o.text.find(s)
-            if cut >= 0:
-                o.text = o.text[:cut]
-                if not req.finished:
-                    self.scheduler.finish(req.request_id, "stop", stop_reason=s)
+        added = []
+        for i, token in enumerate(tokens):
+            o.token_ids.append(token)
+            added.append(token)
+            if o.logprobs is not None and logprobs is not None:
+                o.logprobs.append(logprobs[i])
+            o.text = self.tokenizer.decode(o.token_ids)
+            stopped = False
+            for s in req.params.stop:
+                cut = o.text.find(s)
+                if cut >= 0:
+                    o.text = o.text[:cut]
+                    if not req.finished:
+                        self.scheduler.finish(req.request_id, "stop", stop_reason=s)
+                    stopped = True
+                    break
+            if stopped:
                 break
+        o.num_cached_tokens = req.num_cached_tokens
         if req.finished and o.finish_reason is None:
             o.finish_reason, o.stop_reason = req.finish_reason, req.stop_reason
         new_text = o.text[len(old_text):] if o.text.startswith(old_text) else o.text
-        return StepDelta(req.request_id, [token], new_text, o)
+        return StepDelta(req.request_id, added, new_text, o)
 
     # ---------------------------------------------------------------- batch and streaming APIs
     def generate(self, prompts: str | Sequence[str], params: SamplingParams | Sequence[SamplingParams] | None = None

@@ -9,6 +9,14 @@ generated tokens. Nothing is dropped and nothing raises: a request finishes only
 token, max_tokens, the caller (stop strings, cancel), or by outgrowing the whole pool (reason
 "length": the pool is then its length limit).
 
+Speculative decoding (``num_draft`` > 0, runtime/speculative.py): a decoding request with an MTP
+state gets ``1 + num_draft`` tokens, its last known token then draft placeholders that the driver
+fills before the step runs; every one of them has a logits row. update() then takes the accepted
+drafts plus one token per sequence: rejected positions are simply not counted as computed (their
+cache slots are rewritten later), and a page enters the prefix cache only once it is full of
+accepted tokens AND the MTP layer's cache covers it (``mtp_computed``), so a prefix hit reuses
+both books of the main layers and the draft layer's entries.
+
 Driver loop (runtime/llm.py):
     step = sched.schedule()                     # None when nothing is left
     logits = engine.forward(step.inputs.to(dev), mla_pools, index_pools)   # [B, V]
@@ -23,6 +31,7 @@ import enum
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -52,6 +61,11 @@ class Request:
     num_computed: int = 0  # tokens whose MLA + indexer entries are in the pages
     num_cached_tokens: int = 0  # prefix-cache hit at the latest admission
     num_preemptions: int = 0
+    # speculative decoding: positions [0, mtp_computed) have their MTP-layer cache entries; `hidden`
+    # holds the main model's final-norm states of positions [mtp_computed, num_computed), whose
+    # entries the next step's MTP pass writes (runtime/speculative.py)
+    mtp_computed: int = 0
+    hidden: Any = None
     finish_reason: str | None = None  # "stop", "length", "cancelled" or "error"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
 
@@ -78,14 +92,18 @@ class ScheduledSeq:
     start: int  # first position computed this step (== request.num_computed)
     num_tokens: int
     samples: bool  # the chunk ends at the last known token, so its logits row yields a new token
+    num_draft: int = 0  # trailing draft placeholders (speculative decoding); each has a logits row
 
 
 @dataclass
 class ScheduledStep:
     inputs: StepInputs  # on CPU; page-table row b is seqs[b], logits row b is its last token
     seqs: list[ScheduledSeq]
-    sample_rows: torch.Tensor  # [S] int64 logits rows to sample (sequences with samples=True)
+    sample_rows: torch.Tensor  # [S] int64 logits rows to sample (sequences with samples=True): the
+    # row of the last known token; a sequence with drafts has its draft rows right after it
     preempted: list[Request]  # requests sent back to waiting while building this step
+    logit_starts: list[int] = field(default_factory=list)  # seqs[b]'s first logits row
+    new_tokens: dict[str, list[int]] = field(default_factory=dict)  # update(): tokens appended per request
 
     @property
     def num_tokens(self) -> int:
@@ -117,15 +135,21 @@ class Scheduler:
         max_model_len: int,
         eos_token_ids: Sequence[int] = (),
         max_model_len_note: str = "",
+        num_draft: int = 0,
     ) -> None:
         """max_num_tokens: token budget per step (when more requests decode than it allows, the
         oldest go first and the rest wait a step); eos_token_ids: ModelConfig.eos_token_id; max_model_len_note:
-        where max_model_len comes from (the limits it is the min of), for the refusal message."""
+        where max_model_len comes from (the limits it is the min of), for the refusal message;
+        num_draft: draft tokens verified per decoding step (speculative decoding; 0 = off)."""
         limits = dict(
             max_num_tokens=max_num_tokens, max_num_seqs=max_num_seqs, max_model_len=max_model_len)
         for name, v in limits.items():
             if v < 1:
                 raise ValueError(f"Scheduler: {name}={v} must be >= 1")
+        if num_draft < 0 or max_num_tokens < 1 + num_draft:
+            raise ValueError(f"Scheduler: num_draft={num_draft} needs max_num_tokens >= {1 + num_draft} "
+                             f"(got {max_num_tokens}): one verify step holds 1 + num_draft tokens per sequence")
+        self.num_draft = num_draft
         self.pool = pool
         self.max_num_tokens = max_num_tokens
         self.max_num_seqs = max_num_seqs
@@ -190,7 +214,7 @@ class Scheduler:
         else:
             self.waiting.remove(req)
         self.pool.free(req.pages)
-        req.pages, req.page_keys = [], []
+        req.pages, req.page_keys, req.hidden = [], [], None
         req.state, req.finish_reason, req.stop_reason = RequestState.FINISHED, reason, stop_reason
         return req
 
@@ -209,10 +233,14 @@ class Scheduler:
         preempted: list[Request] = []
         decoding = [r for r in self.running if len(r.token_ids) - r.num_computed == 1]
         prefilling = [r for r in self.running if len(r.token_ids) - r.num_computed > 1]
+        drafts: dict[Request, int] = {}
         for req in decoding + prefilling:
             if req.state is not RequestState.RUNNING or budget == 0:
                 continue  # preempted as a victim earlier in this loop, or no budget left
-            n = min(len(req.token_ids) - req.num_computed, budget)
+            d = self._drafts_for(req) if req in decoding else 0
+            if d and budget < 1 + d:
+                continue  # the verify step waits for budget (its draft count never depends on the batch)
+            n = 1 + d if d else min(len(req.token_ids) - req.num_computed, budget)
             need = pages_for(req.num_computed + n) - len(req.pages)
             while not self.pool.can_allocate(need):
                 victim = self.running[-1]  # most recently arrived
@@ -224,6 +252,7 @@ class Scheduler:
             if req.state is RequestState.RUNNING:
                 req.pages += self.pool.allocate(need)
                 plan[req] = n
+                drafts[req] = d
                 budget -= n
         # No admissions after a preemption (they would only be preempted again), unless the step
         # would otherwise be empty.
@@ -238,13 +267,37 @@ class Scheduler:
                 f"scheduler made no progress: {len(self.running)} running, {len(self.waiting)} waiting, "
                 f"{self.pool.describe()}"
             )
-        seqs = [ScheduledSeq(r, r.num_computed, n, r.num_computed + n == len(r.token_ids)) for r, n in plan.items()]
+        seqs = []
+        for r, n in plan.items():
+            d = drafts.get(r, 0)
+            seqs.append(ScheduledSeq(r, r.num_computed, n, r.num_computed + n - d == len(r.token_ids), d))
         inputs = StepInputs.build(
-            [(s.request.token_ids[s.start : s.start + s.num_tokens], s.start, s.request.pages) for s in seqs],
+            # draft placeholders: token 0 until the driver writes the drafted tokens (runtime/speculative.py)
+            [(s.request.token_ids[s.start : s.start + s.num_tokens - s.num_draft] + [0] * s.num_draft, s.start,
+              s.request.pages) for s in seqs],
         )
-        rows = torch.tensor([b for b, s in enumerate(seqs) if s.samples], dtype=torch.int64)
-        self._in_flight = ScheduledStep(inputs, seqs, rows, preempted)
+        starts, rows, logit_rows, end = [], [], [], 0
+        for s in seqs:
+            end += s.num_tokens
+            starts.append(len(rows))
+            rows.extend(range(end - 1 - s.num_draft, end))  # the last known token, then its drafts
+        if any(s.num_draft for s in seqs):
+            inputs.logits_indices = torch.tensor(rows, dtype=torch.int64)
+        sample_rows = torch.tensor([starts[b] for b, s in enumerate(seqs) if s.samples], dtype=torch.int64)
+        self._in_flight = ScheduledStep(inputs, seqs, sample_rows, preempted, starts)
         return self._in_flight
+
+    def _drafts_for(self, req: Request) -> int:
+        """Draft tokens for a decoding request: num_draft, fewer near max_tokens / max_model_len, none
+        without an MTP state (the main hidden states of its last computed positions) or for a request
+        with penalties (their logits depend on the drafted history). Never depends on the batch, so a
+        seeded request draws the same random numbers whatever it is batched with."""
+        if not self.num_draft or req.params.needs_history:
+            return 0
+        if req.hidden is None or req.mtp_computed + len(req.hidden) != req.num_computed:
+            return 0
+        room = min(req.params.max_tokens - req.num_output_tokens - 1, self.max_model_len - req.num_computed - 1)
+        return max(0, min(self.num_draft, room))
 
     def update(self, step: ScheduledStep, sampled_tokens: Sequence[int] | torch.Tensor) -> list[Request]:
         """Record a computed step: ``sampled_tokens[i]`` is the token for ``step.sample_rows[i]``.
@@ -264,22 +317,33 @@ class Scheduler:
         got: list[Request] = []
         for seq in step.seqs:
             req = seq.request
-            tok = next(tokens) if seq.samples else None
+            toks = next(tokens) if seq.samples else None
+            if toks is not None and not isinstance(toks, (list, tuple)):
+                toks = [toks]
+            if toks is not None and not 1 <= len(toks) <= 1 + seq.num_draft:
+                raise ValueError(f"request {req.request_id!r}: {len(toks)} tokens for a step with "
+                                 f"{seq.num_draft} drafts (1 to {1 + seq.num_draft})")
             if req.state is not RequestState.RUNNING:
                 continue
-            req.num_computed += seq.num_tokens
+            # rejected drafts are not computed: their slots are rewritten by later steps
+            req.num_computed += seq.num_tokens - seq.num_draft + (len(toks) - 1 if toks else 0)
             self._cache_full_pages(req)
-            if tok is None:
+            if toks is None:
                 continue
-            req.token_ids.append(tok)
             got.append(req)
-            p = req.params
-            if tok in p.stop_token_ids:
-                self.finish(req.request_id, "stop", tok)
-            elif tok in self.eos_token_ids and not p.ignore_eos:
-                self.finish(req.request_id, "stop", tok)
-            elif req.num_output_tokens >= p.max_tokens or pages_for(len(req.token_ids)) > self.pool.num_pages:
-                self.finish(req.request_id, "length")
+            appended = step.new_tokens.setdefault(req.request_id, [])
+            for tok in toks:
+                req.token_ids.append(tok)
+                appended.append(tok)
+                p = req.params
+                if tok in p.stop_token_ids:
+                    self.finish(req.request_id, "stop", tok)
+                elif tok in self.eos_token_ids and not p.ignore_eos:
+                    self.finish(req.request_id, "stop", tok)
+                elif req.num_output_tokens >= p.max_tokens or pages_for(len(req.token_ids)) > self.pool.num_pages:
+                    self.finish(req.request_id, "length")
+                if req.finished:
+                    break
         return got
 
     # ------------------------------------------------------------------ internals
@@ -300,7 +364,8 @@ class Scheduler:
         self.pool.record_lookup(total - 1, len(hit_pages))
         req.pages = hit_pages + self.pool.allocate(need)
         req.page_keys = hit_keys
-        req.num_computed = req.num_cached_tokens = start
+        req.num_computed = req.num_cached_tokens = req.mtp_computed = start  # hit pages hold MTP entries too
+        req.hidden = None
         req.state = RequestState.RUNNING
         bisect.insort(self.running, req, key=lambda r: r.arrival)
         return n
@@ -309,14 +374,17 @@ class Scheduler:
         self.running.remove(req)
         self.pool.free(req.pages)
         req.pages, req.page_keys, req.num_computed = [], [], 0
+        req.mtp_computed, req.hidden = 0, None
         req.state = RequestState.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)  # victims go newest first, so the oldest ends up at the front
 
     def _cache_full_pages(self, req: Request) -> None:
-        """Publish pages that became full and computed this step in the prefix cache."""
-        for i in range(len(req.page_keys), req.num_computed // PAGE_SIZE):
+        """Publish pages that became full and computed this step in the prefix cache (with speculative
+        decoding: also covered by the MTP layer's cache, whose entries lag the main layers by a step)."""
+        done = min(req.num_computed, req.mtp_computed) if self.num_draft else req.num_computed
+        for i in range(len(req.page_keys), done // PAGE_SIZE):
             parent = req.page_keys[-1] if req.page_keys else None
             key = page_key(parent, req.token_ids[i * PAGE_SIZE : (i + 1) * PAGE_SIZE])
             self.pool.cache_page(req.pages[i], key)

@@ -1,4 +1,4 @@
-"""TensorRT plans as engine programs: ``load_plan(...)(*step_tensors, mla_pools, index_pools) -> logits``.
+"""TensorRT plans as engine programs: ``load_plan(...)(*step_tensors, mla_pools, index_pools) -> logits [, hidden]``.
 
 The same call as an AOTInductor program (runtime/engine.py). A thin adapter: it binds the device
 pointers of the caller's torch tensors to the plan's I/O tensors by name, sets the step's input
@@ -21,7 +21,8 @@ from pathlib import Path
 import torch
 
 from dsa_trt.engine_config import EngineConfig, EngineDirError
-from dsa_trt.step import LOGITS, POOL_INPUTS, POOL_OUTPUT_SUFFIX, STEP_INPUT_NAMES, pool_input_name
+from dsa_trt.step import (DRAFT_HIDDEN_INPUT, LOGITS, POOL_INPUTS, POOL_OUTPUT_SUFFIX, STEP_INPUT_NAMES,
+                          STEP_OUTPUTS, pool_input_name)
 
 STEP_INPUTS = STEP_INPUT_NAMES  # the plan's step bindings, in the program's positional order
 
@@ -73,7 +74,8 @@ class TensorRTProgram:
             raise EngineDirError(f"{path}: the plan has no `{LOGITS}` output (outputs: {sorted(self.outputs)})")
         # <pool>_out -> <pool> when TensorRT updates the pool in place, else None (it writes a copy)
         aliased_input = getattr(engine, "get_aliased_input_tensor", lambda name: None)  # TensorRT >= 10.5
-        self.aliased = {n: aliased_input(n) for n in self.outputs if n != LOGITS}
+        self.aliased = {n: aliased_input(n) for n in self.outputs if n not in STEP_OUTPUTS}
+        self.draft = DRAFT_HIDDEN_INPUT in self.inputs  # an MTP draft plan: the hidden input after the step
         copies = [n for n, src in self.aliased.items() if src is None]
         if copies:
             warnings.warn(f"{path.name}: TensorRT does not alias {len(copies)} pool output(s) to their inputs "
@@ -83,12 +85,13 @@ class TensorRTProgram:
         self.max_pool_pages = min((engine.get_tensor_profile_shape(n, 0)[2][0] for n in self.inputs
                                    if "_pools_" in n), default=None)
 
-    def __call__(self, *args) -> torch.Tensor:
-        step, pools = args[: len(STEP_INPUTS)], args[len(STEP_INPUTS):]
-        if len(step) != len(STEP_INPUTS) or len(pools) != len(POOL_INPUTS):
-            raise TypeError(f"expected the {len(STEP_INPUTS)} step tensors {STEP_INPUTS} and the pool lists "
+    def __call__(self, *args) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        names = STEP_INPUTS + ((DRAFT_HIDDEN_INPUT,) if self.draft else ())
+        step, pools = args[: len(names)], args[len(names):]
+        if len(step) != len(names) or len(pools) != len(POOL_INPUTS):
+            raise TypeError(f"expected the {len(names)} step tensors {names} and the pool lists "
                             f"{POOL_INPUTS}, got {len(args)} arguments")
-        tensors = dict(zip(STEP_INPUTS, step))
+        tensors = dict(zip(names, step))
         for kind, layers in zip(POOL_INPUTS, pools):
             tensors.update({pool_input_name(kind, i): p for i, p in enumerate(layers)})
         ctx = self.context
@@ -105,8 +108,11 @@ class TensorRTProgram:
             ctx.set_tensor_address(name, t.data_ptr())
             bound[name] = t
         device = next(iter(bound.values())).device
-        logits = torch.empty(tuple(ctx.get_tensor_shape(LOGITS)), dtype=self.outputs[LOGITS], device=device)
-        ctx.set_tensor_address(LOGITS, logits.data_ptr())
+        results = []
+        for name in (n for n in STEP_OUTPUTS if n in self.outputs):  # logits, then hidden (MTP-enabled plans)
+            t = torch.empty(tuple(ctx.get_tensor_shape(name)), dtype=self.outputs[name], device=device)
+            ctx.set_tensor_address(name, t.data_ptr())
+            results.append(t)
         copies = []
         for name, source in self.aliased.items():
             pool = bound[name[: -len(POOL_OUTPUT_SUFFIX)]]
@@ -119,7 +125,7 @@ class TensorRTProgram:
             raise RuntimeError(f"{self.path.name}: TensorRT enqueue failed (a plugin error is in the TensorRT log)")
         for pool, out in copies:
             pool.copy_(out)
-        return logits
+        return results[0] if len(results) == 1 else tuple(results)
 
     def _as_input(self, name: str, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         if not t.is_cuda:
@@ -136,10 +142,11 @@ class TensorRTProgram:
         return t
 
 
-def load_plan(engine_dir: str | Path, cfg: EngineConfig, rank: int) -> TensorRTProgram:
-    """The plan rank<rank>.plan of an engine directory, its plugin library loaded first."""
+def load_plan(engine_dir: str | Path, cfg: EngineConfig, rank: int, name: str | None = None) -> TensorRTProgram:
+    """The plan ``name`` (default rank<rank>.plan; rank<rank>.mtp.plan: the draft) of an engine
+    directory, its plugin library loaded first."""
     engine_dir = Path(engine_dir)
-    path = engine_dir / cfg.rank_file(rank)
+    path = engine_dir / (name or cfg.rank_file(rank))
     if not path.is_file():
         raise EngineDirError(f"{path}: missing; rebuild the engine directory with `make engine`")
     trt = _tensorrt()

@@ -41,7 +41,7 @@ class TritonPythonModel:
 
         self.schema = schema
         num_pages = int(params["num_pages"]) if params.get("num_pages") else None
-        self.engine = AsyncLLM(params["engine_dir"], num_pages=num_pages)
+        self.engine = AsyncLLM(params["engine_dir"], num_pages=num_pages, speculative=params.get("speculative") or None)
         self.vocab_size = self.engine.llm.model_config.vocab_size
         self.log = pb_utils.Logger
         llm = self.engine.llm

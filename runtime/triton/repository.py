@@ -22,7 +22,7 @@ import torch
 
 from dsa_trt.cache_layout import BYTES_PER_INT32, PAGE_SIZE, index_page_shape, mla_page_shape
 from dsa_trt.engine_config import EngineConfig, EngineDirError
-from dsa_trt.step import LOGITS, POOL_OUTPUT_SUFFIX, STEP_FIELDS, pool_input_name
+from dsa_trt.step import HIDDEN, LOGITS, POOL_OUTPUT_SUFFIX, STEP_FIELDS, pool_input_name
 
 from .schema import INPUTS, OUTPUTS, Field
 
@@ -58,7 +58,7 @@ def _parameters(params: dict[str, str]) -> str:
 
 def python_model_config(name: str, engine_dir: Path, num_pages: int | None = None,
                         site_packages: list[str] | None = None, max_model_len: int | None = None,
-                        launch_id: str | None = None) -> str:
+                        launch_id: str | None = None, speculative: str | None = None) -> str:
     """config.pbtxt of the decoupled python model. max_batch_size 1: every request carries a batch
     dimension of 1 (Triton's OpenAI frontend sends [[prompt]]) and Triton refuses larger ones.
 
@@ -76,6 +76,8 @@ def python_model_config(name: str, engine_dir: Path, num_pages: int | None = Non
         params["max_model_len"] = str(max_model_len)
     if launch_id is not None:
         params["launch_id"] = launch_id
+    if speculative:  # LLM(speculative=...): "mtp" or "mtp:N" (runtime/speculative.py)
+        params["speculative"] = speculative
     return (
         f"name: {_pbtxt_str(name)}\n"
         'backend: "python"\n'
@@ -109,6 +111,8 @@ def step_model_io(cfg: EngineConfig) -> tuple[list[Field], list[Field]]:
         pools += [Field(pool_input_name("mla_pools", layer), dtype, (-1, *mla), optional=False),
                   Field(pool_input_name("index_pools", layer), dtype, (-1, *idx), optional=False)]
     outs = [Field(LOGITS, "TYPE_FP32", (-1, m.vocab_size))]
+    if cfg.mtp_layers:  # the main program's final-norm states: the draft program's input (dsa_trt/step.py)
+        outs.append(Field(HIDDEN, "TYPE_BF16" if cfg.dtype == "bfloat16" else "TYPE_FP32", (-1, m.hidden_size)))
     outs += [Field(f"{p.name}{POOL_OUTPUT_SUFFIX}", p.data_type, p.dims) for p in pools]
     return ins + pools, outs
 
@@ -147,17 +151,25 @@ def expected_max_model_len(cfg: EngineConfig, num_pages: int | None) -> int | No
 
 def write_model_repository(engine_dir: str | Path, repo_dir: str | Path, model_name: str = "dsa_trt",
                            num_pages: int | None = None, site_packages: list[str] | None = None,
-                           launch_id: str | None = None) -> ModelRepository:
+                           launch_id: str | None = None, speculative: str | None = None) -> ModelRepository:
     """Write (or overwrite) the models of ``engine_dir`` into ``repo_dir``; returns what was written
     and the tritonserver arguments it needs."""
     engine_dir = Path(engine_dir).resolve()
     repo = Path(repo_dir)
     cfg = EngineConfig.load(engine_dir)
+    if speculative:
+        from dsa_trt.runtime.speculative import parse_speculative
+
+        parse_speculative(speculative)  # a bad value fails here, not when the server loads the model
+        if not cfg.mtp_layers:
+            raise EngineDirError(f"{engine_dir}: speculative={speculative!r} but the engine has no MTP draft program "
+                                 "(engine_config.json mtp_layers=0); rebuild it with its MTP layer")
     if cfg.tp_size != 1:
         raise EngineDirError(f"{engine_dir}: tp_size {cfg.tp_size}; the Triton model serves tp=1 engines only")
     repo.mkdir(parents=True, exist_ok=True)
     _write_model(repo / model_name, python_model_config(model_name, engine_dir, num_pages, site_packages,
-                                                        expected_max_model_len(cfg, num_pages), launch_id))
+                                                        expected_max_model_len(cfg, num_pages), launch_id,
+                                                        speculative))
     shutil.copy(MODEL_PY, repo / model_name / "1" / "model.py")
     written = ModelRepository(repo, [model_name])
     if cfg.compiler == "tensorrt":

@@ -1,0 +1,267 @@
+"""MTP speculative decoding: draft with the engine's MTP layer, verify in one target step (docs/architecture.md §6).
+
+Per step of the LLM (runtime/llm.py), around the one target call the scheduler planned:
+
+1. ``propose``: the MTP pass. Every scheduled request whose main hidden states of positions
+   [mtp_computed, num_computed) are pending (runtime/scheduler.py Request.hidden) gets them run
+   through the draft program with the NEXT tokens (t_{i+1} at position i): that writes the MTP
+   layer's cache entries of those positions, and the last row drafts d_1 for a decoding request.
+   d_2..d_n reuse the layer recurrently (input d_j at position L + j - 1, hidden = the layer's own
+   output z of the previous draft step). The drafts are written into the step's placeholders.
+2. The target step verifies: the last known token and the n drafts of each decoding request are
+   n + 1 query tokens of one sequence, each with a logits row.
+3. ``verify``: greedy rows accept the longest prefix of drafts equal to the target's argmax, then
+   take the target's token at the first mismatch (or the bonus token after the last draft).
+   Sampled rows use rejection sampling, which keeps the target distribution exactly: draft x_j
+   (drawn from q_j, the MTP distribution after the same temperature / top-k / top-p) is accepted
+   with probability min(1, p_j(x_j) / q_j(x_j)); at the first rejection the token is drawn from
+   normalise(max(p_j - q_j, 0)); if every draft is accepted the bonus token is drawn from p_n.
+   The accepted positions' hidden states become the request's pending MTP input for the next step.
+
+Every random number of a seeded request comes from its own generator in a fixed order (d draft
+uniforms, then d acceptance uniforms and one final uniform per verify step), and the draft count
+of a step depends only on the request (runtime/scheduler.py ``_drafts_for``): a seeded request's
+tokens do not depend on its batch neighbours. Rejected positions are not counted as computed by
+the scheduler: their slots in both pools are rewritten by later steps.
+
+Sampling with penalties (repetition / presence / frequency) is not speculated: those requests
+decode one token per step in the same batches.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from dsa_trt.plugins.pools import allocate_pools
+from dsa_trt.step import StepInputs, StepOutput
+
+from .sampling import SamplingParams, sample, top_k_top_p_mask
+
+METHOD = "mtp"
+MAX_DRAFT_TOKENS = 8  # n of "mtp:n": more drafts than this only lowers throughput at any real acceptance
+
+
+def parse_speculative(spec: str | None) -> int:
+    """``None`` / "" -> 0 (off), "mtp" -> 1, "mtp:n" -> n (1 <= n <= MAX_DRAFT_TOKENS)."""
+    if spec is None or spec == "":
+        return 0
+    if not isinstance(spec, str):
+        raise ValueError(f"speculative={spec!r}: give 'mtp' or 'mtp:N' (N draft tokens per step)")
+    method, _, n = spec.strip().partition(":")
+    if method != METHOD:
+        raise ValueError(f"speculative={spec!r}: the only method is 'mtp' (the checkpoint's MTP layer); "
+                         f"give 'mtp' or 'mtp:N'")
+    if not n:
+        return 1
+    if not n.isdigit() or not 1 <= int(n) <= MAX_DRAFT_TOKENS:
+        raise ValueError(f"speculative={spec!r}: the draft count N of 'mtp:N' must be an integer in "
+                         f"[1, {MAX_DRAFT_TOKENS}]")
+    return int(n)
+
+
+@dataclass
+class SpecStats:
+    drafted: int = 0  # draft tokens verified
+    accepted: int = 0  # of which accepted
+    verify_steps: int = 0  # (sequence, step) pairs that verified at least one draft
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens a verify step yields per sequence: accepted drafts + the target's own token."""
+        return (self.accepted + self.verify_steps) / self.verify_steps if self.verify_steps else 0.0
+
+
+# ---------------------------------------------------------------- the distributions and the acceptance rule
+def processed_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """The distribution sampling.sample() draws a sampled row from: softmax over the temperature-
+    scaled logits kept by top-k / top-p, in vocabulary order. logits [R, V] -> probs [R, V] fp32."""
+    dev = logits.device
+    temp = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)[:, None]
+    top_k = torch.tensor([p.top_k for p in params], dtype=torch.int64, device=dev)
+    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev)
+    sorted_logits, order = torch.sort(logits.float() / temp, dim=-1, descending=True, stable=True)
+    keep = top_k_top_p_mask(sorted_logits, top_k, top_p)
+    probs = torch.softmax(sorted_logits.masked_fill(~keep, -math.inf), dim=-1)
+    return torch.zeros_like(probs).scatter_(-1, order, probs)
+
+
+def sample_from_probs(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF draw of one token per row: probs [R, V] (any non-negative weights), u [R] in [0, 1)."""
+    cdf = torch.cumsum(probs, dim=-1)
+    pick = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)
+    last = (probs > 0).long().cumsum(-1).argmax(-1, keepdim=True)  # the last token with weight (rounding guard)
+    return torch.minimum(pick, last)[:, 0]
+
+
+def accept_drafts(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor, u_accept: torch.Tensor,
+                  u_final: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Speculative rejection sampling, batched.
+
+    p [B, n+1, V]: the target distributions at the n drafts and after the last; q [B, n, V]: the
+    draft distributions the drafts [B, n] were drawn from; u_accept [B, n], u_final [B] uniforms.
+    Returns (accepted [B]: the length k of the accepted draft prefix, tokens [B, n+1]: row b's
+    emitted tokens are tokens[b, :k+1], the k accepted drafts then the corrected / bonus token)."""
+    batch, n, _ = q.shape
+    px = p[:, :n].gather(-1, drafts[..., None])[..., 0]  # [B, n]
+    qx = q.gather(-1, drafts[..., None])[..., 0]
+    ok = u_accept * qx < px  # u < p/q, i.e. accept with probability min(1, p/q)
+    accepted = ok.long().cumprod(-1).sum(-1)  # [B] the first rejection, or n
+    rows = torch.arange(batch, device=p.device)
+    p_k = p[rows, accepted]  # [B, V]
+    q_k = torch.cat([q, torch.zeros_like(q[:, :1])], 1)[rows, accepted]  # zero after the last draft: p_n itself
+    residual = (p_k - q_k).clamp_min(0)
+    residual = torch.where(residual.sum(-1, keepdim=True) > 0, residual, p_k)  # p == q: never rejected anyway
+    tokens = torch.cat([drafts, torch.zeros_like(drafts[:, :1])], 1)
+    tokens[rows, accepted] = sample_from_probs(residual, u_final)
+    return accepted, tokens
+
+
+def _uniform(params: SamplingParams, generator: torch.Generator | None, n: int, dev: torch.device) -> torch.Tensor:
+    if params.seed is not None:
+        return torch.rand(n, generator=generator, device=dev)
+    return torch.rand(n, device=dev)
+
+
+# ---------------------------------------------------------------- the runtime hook
+class MTPSpeculator:
+    """The draft side of speculative decoding for one LLM: the MTP layer's pools (one layer, on the
+    same page ids as the main pools) and the propose / verify hooks around each target step."""
+
+    def __init__(self, engine, num_draft: int, num_pages: int, pad_to: int = 1):
+        cfg = engine.config
+        if not engine.has_draft:
+            raise ValueError("speculative decoding needs the engine's MTP draft program (Engine.load(..., draft=True))")
+        self.engine, self.num_draft, self.pad_to = engine, num_draft, pad_to
+        self.device = engine.device
+        self.mla_pools, self.index_pools = allocate_pools(cfg.model, cfg.cache_mode, num_pages, self.device,
+                                                          num_layers=1)
+        self.stats = SpecStats()
+        self._drafts: dict[int, tuple[list[int], torch.Tensor | None]] = {}  # seq index -> (drafts, q [d, V])
+
+    def _draft_call(self, inputs: StepInputs, hidden: torch.Tensor) -> StepOutput:
+        inputs = inputs.to(self.device)
+        if self.pad_to > 1:  # the deterministic mode's row blocks (runtime/llm.py), hidden padded alike
+            inputs = inputs.pad_tokens(self.pad_to)
+            extra = inputs.input_ids.shape[0] - hidden.shape[0]
+            if extra:
+                hidden = torch.cat([hidden, hidden.new_zeros(extra, hidden.shape[1])])
+        return self.engine.draft(inputs, hidden, self.mla_pools, self.index_pools)
+
+    def _pick(self, seq, logits_row: torch.Tensor) -> tuple[int, torch.Tensor | None]:
+        """A draft token from the MTP logits [V]: argmax for greedy rows, else drawn from q."""
+        req = seq.request
+        if req.params.greedy:
+            return int(torch.argmax(logits_row.float())), None
+        q = processed_probs(logits_row[None], [req.params])[0]
+        u = _uniform(req.params, req.generator, 1, q.device)
+        return int(sample_from_probs(q[None], u)[0]), q
+
+    @torch.no_grad()
+    def propose(self, step) -> None:
+        """The MTP pass over the pending positions, then the drafts into ``step.inputs.input_ids``."""
+        self._drafts = {}
+        pending = [(b, s) for b, s in enumerate(step.seqs) if s.request.hidden is not None]
+        if not pending:
+            return
+        packed, hidden, last = [], [], []
+        for _, s in pending:
+            r = s.request
+            m, end = r.mtp_computed, r.num_computed
+            packed.append((r.token_ids[m + 1 : end + 1], m, r.pages))  # the next token of each position
+            hidden.append(r.hidden)
+            last.append((last[-1] if last else -1) + end - m)
+        out = self._draft_call(StepInputs.build(packed), torch.cat(hidden))
+        state = {}  # seq index -> (logits row, z of its last position)
+        for i, (b, s) in enumerate(pending):
+            s.request.mtp_computed, s.request.hidden = s.request.num_computed, None
+            if s.num_draft:
+                state[b] = (out.logits[i], out.hidden[last[i]])
+        drafts: dict[int, list[int]] = {b: [] for b in state}
+        qs: dict[int, list[torch.Tensor]] = {b: [] for b in state}
+        for j in range(self.num_draft):
+            for b in state:
+                if step.seqs[b].num_draft > j:
+                    tok, q = self._pick(step.seqs[b], state[b][0])
+                    drafts[b].append(tok)
+                    if q is not None:
+                        qs[b].append(q)
+            more = [b for b in state if step.seqs[b].num_draft > j + 1]
+            if not more:
+                break
+            # the next draft: input d_{j+1} at position L + j, hidden = the layer's previous output
+            seqs = [step.seqs[b] for b in more]
+            inputs = StepInputs.build([([drafts[b][-1]], s.request.num_computed + j, s.request.pages)
+                                       for b, s in zip(more, seqs)])
+            out = self._draft_call(inputs, torch.stack([state[b][1] for b in more]))
+            state.update({b: (out.logits[i], out.hidden[i]) for i, b in enumerate(more)})
+        end = 0
+        for b, s in enumerate(step.seqs):
+            end += s.num_tokens
+            if s.num_draft:
+                if b not in drafts or len(drafts[b]) != s.num_draft:
+                    raise RuntimeError(f"request {s.request.request_id!r}: scheduled {s.num_draft} drafts without "
+                                       "an MTP state (scheduler and speculator disagree)")
+                step.inputs.input_ids[end - s.num_draft : end] = torch.tensor(drafts[b], dtype=torch.int64)
+                self._drafts[b] = (drafts[b], torch.stack(qs[b]) if qs[b] else None)
+
+    @torch.no_grad()
+    def verify(self, step, out: StepOutput) -> tuple[list[list[int]], list[list[float]] | None]:
+        """Tokens (accepted drafts + one) and their logprobs per sampling sequence; stores the accepted
+        positions' hidden states as each request's pending MTP input."""
+        logits, dev = out.logits, out.logits.device
+        sampling = [(b, s) for b, s in enumerate(step.seqs) if s.samples]
+        tokens: dict[int, list[int]] = {}
+        # rows without drafts: the plain sampler (penalties and history included)
+        plain = [(b, s) for b, s in sampling if not s.num_draft]
+        if plain:
+            reqs = [s.request for _, s in plain]
+            rows = torch.tensor([step.logit_starts[b] for b, _ in plain], dtype=torch.int64, device=dev)
+            res = sample(logits[rows], [r.params for r in reqs], [r.generator for r in reqs],
+                         [r.output_token_ids if r.params.needs_history else [] for r in reqs],
+                         [r.prompt_token_ids if r.params.needs_history else [] for r in reqs])
+            tokens.update({b: [t] for (b, _), t in zip(plain, res.token_ids.tolist())})
+        for b, s in sampling:
+            if not s.num_draft:
+                continue
+            d, (drafts, q) = s.num_draft, self._drafts[b]
+            rows = logits[step.logit_starts[b] : step.logit_starts[b] + d + 1]  # [d+1, V]
+            params = s.request.params
+            if params.greedy:
+                target = torch.argmax(rows.float(), dim=-1).tolist()
+                k = next((j for j in range(d) if drafts[j] != target[j]), d)
+                toks = drafts[:k] + [target[k]]
+            else:
+                p = processed_probs(rows, [params] * (d + 1))
+                u = _uniform(params, s.request.generator, d + 1, dev)
+                acc, t = accept_drafts(p[None], q[None], torch.tensor([drafts], device=dev), u[None, :d], u[d:])
+                k = int(acc[0])
+                toks = t[0, : k + 1].tolist()
+            tokens[b] = toks
+            self.stats.drafted += d
+            self.stats.accepted += k
+            self.stats.verify_steps += 1
+        self._store_hidden(step, out, tokens)
+        order = [b for b, _ in sampling]
+        logps = None
+        if any(s.request.params.logprobs is not None for _, s in sampling):
+            logp = torch.log_softmax(logits.float(), dim=-1)
+            logps = [[float(logp[step.logit_starts[b] + j, t]) for j, t in enumerate(tokens[b])] for b in order]
+        return [tokens[b] for b in order], logps
+
+    def _store_hidden(self, step, out: StepOutput, tokens: dict[int, list[int]]) -> None:
+        if out.hidden is None:
+            raise RuntimeError("the target program returns no hidden states: rebuild the engine with its MTP layer")
+        start = 0
+        for b, s in enumerate(step.seqs):
+            valid = s.num_tokens - s.num_draft + (len(tokens[b]) - 1 if b in tokens else 0)
+            if s.request.hidden is None and s.request.mtp_computed == s.start:
+                # a copy: a CUDA-graph replay overwrites its output buffers
+                s.request.hidden = out.hidden[start : start + valid].clone()  # positions [s.start, s.start + valid)
+            start += s.num_tokens
