@@ -34,7 +34,7 @@ from dsa_trt.tokenizer import Tokenizer
 
 from dsa_trt.weights_file import WeightsFileError, weights_file_name
 
-from .aoti import PackageLinkError
+from .aoti import PackageLinkError, compile_package
 from .weights import PeakRSS, build_rank
 
 DEFAULT_CALIB_TEXT = Path(__file__).resolve().parent.parent / "export" / "data" / "corpus.txt"
@@ -125,7 +125,14 @@ def compile_draft_program(ckpt: Checkpoint, cfg: EngineConfig, out: Path, rank: 
         onnx_ep = export_mtp_program(build_mtp_network(ckpt, cfg.cache_mode, torch.bfloat16, kv_scale, device=device,
                                                        tp_rank=rank, tp_size=cfg.tp_size),
                                      max_num_tokens=cfg.max_num_tokens, device=device)
-    compile_program(ep, onnx_ep, out, cfg.draft_file(rank), cfg.compiler, emit_onnx, profile, plugin_lib)
+    name = cfg.draft_file(rank)
+    if cfg.compiler == "tensorrt" or emit_onnx:
+        compile_onnx_program(onnx_ep, out, name, cfg.compiler, profile, plugin_lib)
+    if cfg.compiler == "aoti":  # the draft program keeps its (one layer's) weights inside its package
+        try:
+            compile_package(ep, out / name)
+        except PackageLinkError as e:
+            raise BuildError(str(e)) from e
 
 
 def build_engine(checkpoint: str | Path, out: str | Path, tp: int = 1, cache_mode: str = "fp8",

@@ -114,10 +114,11 @@ def test_greedy_output_equals_plain_decoding(mtp_engine, spec, one_thread):
     token for token, and drafts are accepted."""
     from dsa_trt.runtime.llm import LLM
 
-    prompts = _corpus_prompts(5, [9, 14, 40, 100, 90])
+    prompts = _corpus_prompts(5, [9, 60, 50, 100, 90])
     prompts.append(prompts[3][:70] + prompts[1][:6])  # shares the first page of prompt 3 (prefix hit)
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    # 4 pages = 256 tokens for 6 requests that need 9 pages at their ends: running requests outgrow it
+    # 4 pages = 256 tokens for 6 requests that need 11 pages at their ends: the 60- and 50-token prompts
+    # are admitted on one page each and both cross into a second one while generating
     plain = LLM(mtp_engine, num_pages=4, deterministic=True)
     spec_llm = LLM(mtp_engine, num_pages=4, deterministic=True, speculative=spec)
     for llm in (plain, spec_llm):  # prompt 3 alone first: its full first page is then in the prefix cache
