@@ -52,7 +52,7 @@ def test_manifest_records_every_file_and_the_config(fp8_engine):
     assert manifest["built_with"] == raw and manifest["config_sha256"] == config_sha256(raw)
     cfg = EngineConfig.load(fp8_engine)
     programs = {n for n, e in manifest["files"].items() if "built_from" in e}
-    assert programs == {cfg.rank_file(0)}
+    assert programs == set(cfg.rank_files(0))  # the program, its weights file, its MTP draft program
     assert {manifest["files"][p]["built_from"] for p in programs} == {manifest["config_sha256"]}
     verify_engine_files(fp8_engine, cfg, mode="full")  # the intact engine passes
 
