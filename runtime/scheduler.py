@@ -19,7 +19,7 @@ both books of the main layers and the draft layer's entries.
 
 Driver loop (runtime/llm.py):
     step = sched.schedule()                     # None when nothing is left
-    logits = engine.forward(step.inputs.to(dev), mla_pools, index_pools)   # [B, V]
+    logits = engine.run(step.inputs.to(dev), mla_pools, index_pools).logits   # [B, V]
     out = sample(logits[step.sample_rows], **step.sampling_args())
     for req in sched.update(step, out.token_ids.tolist()): ... stop strings -> sched.finish()
 """

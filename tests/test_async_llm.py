@@ -157,7 +157,7 @@ def test_shutdown_aborts_running_requests_and_refuses_new_ones(eager):
 
 def test_engine_failure_fails_the_step_requests_not_the_loop(eager, offline):
     class Flaky:
-        """The real engine, failing its first forward call."""
+        """The real engine, failing its first step (Engine.run: every step goes through it)."""
 
         def __init__(self, inner):
             self.inner, self.calls = inner, 0
@@ -165,11 +165,11 @@ def test_engine_failure_fails_the_step_requests_not_the_loop(eager, offline):
         def __getattr__(self, name):
             return getattr(self.inner, name)
 
-        def forward(self, *a):
+        def run(self, *a):
             self.calls += 1
             if self.calls == 1:
                 raise RuntimeError("injected device fault")
-            return self.inner.forward(*a)
+            return self.inner.run(*a)
 
     llm = new_llm(eager)
     llm.engine = Flaky(llm.engine)
@@ -180,3 +180,4 @@ def test_engine_failure_fails_the_step_requests_not_the_loop(eager, offline):
         assert engine.num_unfinished == 0
         again = engine.submit(PROMPTS[0], params(0))
         assert again.result(120).token_ids == offline[0].token_ids
+    assert llm.engine.calls > 1

@@ -258,7 +258,10 @@ def test_graph_io(emitted):
         ("input_ids", "INT64", ["tokens"]), ("positions", "INT64", ["tokens"]), ("req_idx", "INT32", ["tokens"]),
         ("page_table", "INT32", ["batch", "pages_per_seq"]), ("slot_mapping", "INT64", ["tokens"]),
         ("logits_indices", "INT64", ["logit_rows"]), *pools]
+    # an MTP-enabled engine (the tiny checkpoint has one MTP layer) also returns the final-norm hidden states
+    assert cfg.mtp_layers > 0
     assert sig(model.graph.output) == [("logits", "FLOAT", ["logit_rows", cfg.model.vocab_size]),
+                                      ("hidden", "BFLOAT16", ["tokens", cfg.model.hidden_size]),
                                       *[(n + "_out", t, s) for n, t, s in pools]]
     assert tuple(v.name for v in model.graph.input[:6]) == tensorrt_engine.STEP_INPUTS
 
