@@ -129,9 +129,9 @@ def main(argv: list[str] | None = None) -> int:
                    for d in (False, True)}
 
     def step_fn(step: StepInputs, deterministic: bool, graph: bool):
-        step = step.to(dev)
-        if graph:
+        if graph:  # the graph runner takes the scheduler's host step and copies it in itself
             return lambda: runners[deterministic].forward(step)
+        step = step.to(dev)
         padded = step.pad_tokens(DETERMINISTIC_TOKEN_BLOCK) if deterministic else step
         return lambda: engine.forward(padded, *pools)
 

@@ -15,7 +15,7 @@ clock, ``record_function`` around it) is split exactly into:
 - GPU idle, by what the host was doing meanwhile. The host timeline is cut into consecutive
   phases by the runtime's own calls (the LLM's methods are wrapped in ``record_function``, not
   changed): scheduler + step-input build (``Scheduler.schedule``), H2D of the step inputs
-  (``StepInputs.to``), forward launch (``Engine.forward`` / ``CudaGraphRunner.forward``), sampling
+  (``StepInputs.to``), forward launch (``Engine.run`` / ``CudaGraphRunner.run``, which copies a graph step's inputs itself), sampling
   (``sample`` and the sample-rows copy before it), D2H / sync (the ``.tolist()`` of the sampled
   tokens: it waits for the GPU), update + detokenise (``Scheduler.update``, the text deltas).
 
@@ -91,7 +91,7 @@ def phases_recorded(llm: LLM):
 
     wrap(llm.scheduler, "schedule", "bench:schedule")
     wrap(StepInputs, "to", "bench:h2d")
-    wrap(llm.graphs if llm.graphs is not None else llm.engine, "forward", "bench:forward")
+    wrap(llm.graphs if llm.graphs is not None else llm.engine, "run", "bench:forward")
     wrap(llm_module, "sample", "bench:sample")  # LLM.step calls the module's name
     wrap(llm.scheduler, "update", "bench:update")
     try:

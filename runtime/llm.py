@@ -18,6 +18,7 @@ import torch
 
 from dsa_trt.config import PAGE_SIZE
 from dsa_trt.plugins.pools import allocate_pools
+from dsa_trt.step import StepInputs, StepOutput
 
 from . import knobs
 from .engine import Engine
@@ -103,8 +104,13 @@ class LLM:
         if self.device.type == "cuda" and knobs.get("DSA_CUDA_GRAPHS") == "1" and _kernels_capturable():
             from .cuda_graphs import CudaGraphRunner
 
+            min_batch = DETERMINISTIC_TOKEN_BLOCK if self.deterministic else 1
             self.graphs = CudaGraphRunner(self.engine, self.mla_pools, self.index_pools, max_num_seqs,
-                                          min_batch=DETERMINISTIC_TOKEN_BLOCK if self.deterministic else 1)
+                                          min_batch=min_batch)
+            if self.speculator is not None:  # the draft passes replay graphs of the MTP program too
+                self.speculator.graphs = CudaGraphRunner(self.engine, self.speculator.mla_pools,
+                                                         self.speculator.index_pools, max_num_seqs,
+                                                         min_batch=min_batch, draft=True)
         # What one sequence can hold: positions, page-table width, and the whole pool (a request
         # longer than the pool could only be cut short). Requests beyond it are refused at add.
         self.limits = {
@@ -223,7 +229,7 @@ class LLM:
             try:
                 if self.speculator is not None:
                     self.speculator.propose(step)  # the MTP pass; writes the drafts into step.inputs
-                out = self._run(step.inputs.to(self.device))
+                out = self._run(step.inputs)
                 if self.speculator is not None:
                     sampled, logps = self.speculator.verify(step, out)
                 else:
@@ -240,12 +246,13 @@ class LLM:
             return [self._advance(r, step.new_tokens.get(r.request_id, toks), logps[i] if logps else None)
                     for i, (r, toks) in enumerate(zip(reqs, sampled))]
 
-    def _run(self, inputs):
+    def _run(self, inputs: StepInputs) -> StepOutput:
+        """The target program on the scheduler's (host) step."""
         if self.graphs is not None:
             return self.graphs.run(inputs)  # pads its eager steps like the branch below
         if self.deterministic:
             inputs = inputs.pad_tokens(DETERMINISTIC_TOKEN_BLOCK)
-        return self.engine.run(inputs, self.mla_pools, self.index_pools)
+        return self.engine.run(inputs.to(self.device), self.mla_pools, self.index_pools)
 
     def _abort_step(self, step) -> None:
         """A failed engine step: end its requests with finish_reason "error" (their caches may be

@@ -143,9 +143,13 @@ class MTPSpeculator:
         self.mla_pools, self.index_pools = allocate_pools(cfg.model, cfg.cache_mode, num_pages, self.device,
                                                           num_layers=1)
         self.stats = SpecStats()
+        self.graphs = None  # a CudaGraphRunner over the draft program and these pools (set by the LLM on a GPU)
         self._drafts: dict[int, tuple[list[int], torch.Tensor | None]] = {}  # seq index -> (drafts, q [d, V])
 
     def _draft_call(self, inputs: StepInputs, hidden: torch.Tensor) -> StepOutput:
+        """The draft program on a host step; ``hidden`` on the device."""
+        if self.graphs is not None:
+            return self.graphs.run(inputs, hidden)  # pads like the branch below where it runs eagerly
         inputs = inputs.to(self.device)
         if self.pad_to > 1:  # the deterministic mode's row blocks (runtime/llm.py), hidden padded alike
             inputs = inputs.pad_tokens(self.pad_to)

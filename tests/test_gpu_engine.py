@@ -63,3 +63,20 @@ def test_cuda_graph_decode_equals_eager(gpu_engine, capsys):
     finally:
         del os.environ["DSA_CUDA_GRAPHS"]
     assert graphed == eager
+
+
+def test_speculative_steps_replay_cuda_graphs(gpu_engine):
+    """MTP speculative decoding on the GPU: the verify steps (q = n + 1 rows per sequence) and the
+    draft passes replay CUDA graphs, and greedy output equals plain greedy decoding, token for token
+    (deterministic mode: a row's logits do not depend on how many rows its step has, so a verify
+    row and a decode row of the same position agree bitwise)."""
+    from dsa_trt.runtime.llm import LLM
+
+    plain = _greedy(LLM(gpu_engine, num_pages=64, deterministic=True))
+    for n in (1, 2):
+        llm = LLM(gpu_engine, num_pages=64, speculative=f"mtp:{n}", deterministic=True)
+        assert llm.graphs is not None and llm.speculator.graphs is not None
+        assert _greedy(llm) == plain, f"mtp:{n}"
+        assert any(shape.q == n + 1 and shape.all_logits for shape, _, _ in llm.graphs.captured), \
+            f"mtp:{n}: no verify step went through a CUDA graph ({llm.graphs.captured})"
+        assert llm.speculator.graphs.captured, f"mtp:{n}: no draft pass went through a CUDA graph"

@@ -19,7 +19,7 @@ from dsa_trt.engine_config import EngineConfig
 from dsa_trt.export.network import DSAForCausalLM
 from dsa_trt.export.tiny_checkpoint import tiny_config_dict
 from dsa_trt.runtime import distributed
-from dsa_trt.runtime.cuda_graphs import copy_step
+from dsa_trt.runtime.cuda_graphs import Uniform, pad_uniform, uniform_shape
 from dsa_trt.runtime.triton.repository import step_model_io
 
 
@@ -83,35 +83,29 @@ def test_padding_rows_write_nowhere_and_read_page_zero():
     _check_against_table(pad)
     assert (pad.slot_mapping == -1).all() and (pad.page_table == 0).all() and (pad.positions == 0).all()
     assert pad.req_idx.tolist() == list(range(4)) and pad.logits_indices.tolist() == list(range(4))
-    # a decode step's row-index fields equal the padding's: the graph runner never copies them
-    decode = _steps(16)["decode"]
-    for f in S.STEP_FIELDS:
-        if f.pad == S.ROW:
-            n = getattr(decode, f.name).shape[0]
-            assert torch.equal(getattr(decode, f.name), getattr(pad, f.name)[:n]), f.name
 
 
 def test_graph_bucket_holds_the_step_then_padding():
-    """What a CUDA-graph replay reads: the decode step in the first rows / columns, padding after,
-    also after a bigger step was loaded into the same buffers before."""
-    sizes = {"tokens": 8, "batch": 8, "pages_per_seq": 16, "logit_rows": 8}
-    static = S.StepInputs.padding(sizes)
-    bigger = S.StepInputs.build([([i + 3], 100 + i, [1, 2, 3, 4][: 2 + i % 3]) for i in range(6)])
-    copy_step(static, bigger)
-    step = S.StepInputs.build([([17], 90, [7, 3]), ([9], 30, [11])])
-    copy_step(static, step)
-    pad = S.StepInputs.padding(sizes)
-    b, w = step.page_table.shape
-    for f in S.STEP_FIELDS:
-        got, real = getattr(static, f.name), getattr(step, f.name)
-        head = tuple(slice(0, n) for n in real.shape)
-        if f.pad != S.ROW:  # row-index fields are never copied: they must already agree
-            assert torch.equal(got[head], real), f.name
-        rest = torch.ones(got.shape, dtype=torch.bool)
-        rest[head] = False
-        if f.pad is not None:  # pad None: padding rows hold whatever was there (never read)
-            assert torch.equal(got[rest], getattr(pad, f.name)[rest]), f.name
-    assert (static.slot_mapping[b:] == -1).all() and (static.page_table[:, w:] == 0).all()
+    """What a CUDA-graph replay reads (runtime/cuda_graphs.py): each real sequence's tokens last in
+    its q rows, the contract's padding everywhere else (slot -1, page 0), padding rows of a real
+    sequence at its first new position, the bucket's fixed row fields."""
+    step = S.StepInputs.build([([17, 4, 5], 90, [7, 3]), ([9], 30, [11])])  # an MTP draft pass: last rows
+    shape = uniform_shape(step)
+    assert shape == Uniform(3, all_logits=False)
+    padded, dst = pad_uniform(step, shape, 4, 16)
+    _check_against_table(padded)
+    assert dst.tolist() == [0, 1, 2, 5]
+    assert padded.input_ids[dst].tolist() == [17, 4, 5, 9] and padded.slot_mapping[dst].tolist() == step.slot_mapping.tolist()
+    assert padded.positions.tolist() == [90, 91, 92, 30, 30, 30] + [0] * 6
+    rest = torch.ones(12, dtype=torch.bool)
+    rest[dst] = False
+    assert (padded.slot_mapping[rest] == -1).all()
+    assert padded.req_idx.tolist() == [r // 3 for r in range(12)] and padded.logits_indices.tolist() == [2, 5, 8, 11]
+    assert padded.page_table[:2, :2].tolist() == [[7, 3], [11, 0]] and (padded.page_table[2:] == 0).all()
+    verify = S.StepInputs.build([([1, 2, 3], 10, [1]), ([4, 5, 6], 70, [2, 3])], logits_for="all")
+    assert uniform_shape(verify) == Uniform(3, all_logits=True)
+    assert uniform_shape(_steps(16)["decode"]) == Uniform(1, all_logits=True)
+    assert uniform_shape(_steps(16)["mixed_all_logits"]) is None  # 10 + 1 tokens, every row a logits row
 
 
 def test_export_dims_and_dynamic_shapes():
