@@ -2,7 +2,7 @@
 # One H200 run of everything GPU-side (device time is scarce: one call, logs under LOG_DIR):
 # the kernel library, every GPU test, the kernel benchmarks (and the read floors where CuPy is
 # installed), a CUDA engine of the tiny checkpoint, its tests and the eager-vs-CUDA-graph step
-# benchmark.
+# benchmark, the DSA_KERNELS=reference generation; stage "spec": MTP speculative tokens/s at B=1/8/32.
 #
 #   benchmarks/gpu_check.sh LOG_DIR CHECKPOINT [KV_CALIBRATION_JSON]
 #
@@ -36,6 +36,11 @@ fi
 if has bench; then
   timeout "$BENCH_TIMEOUT" python3 benchmarks/bench_kernels.py --iters 15 > "$LOG/bench_kernels.log" 2>&1
   echo "kernel benchmarks: rc=$? ($(grep -c '^|' "$LOG/bench_kernels.log") table rows)"
+  # the real-size operators (issue 24): fp8 block linear and routed MoE, cuBLASLt / torch anchors in the same run
+  timeout "$BENCH_TIMEOUT" python3 benchmarks/bench_fp8_linear.py --quick --iters 10 > "$LOG/bench_fp8_linear.log" 2>&1
+  echo "fp8 linear benchmark: rc=$? ($(grep -c '^|' "$LOG/bench_fp8_linear.log") table rows)"
+  timeout "$BENCH_TIMEOUT" python3 benchmarks/bench_moe.py --quick --iters 10 > "$LOG/bench_moe.log" 2>&1
+  echo "MoE benchmark: rc=$? ($(grep -c '^|' "$LOG/bench_moe.log") table rows)"
   if python3 -c "import cupy" 2>/dev/null; then  # the read floors of the memory-bound rows (~15 s)
     timeout 120 python3 benchmarks/read_floor.py --iters 15 > "$LOG/read_floor.log" 2>&1
     echo "read floors: rc=$? ($(grep -c '^|' "$LOG/read_floor.log") table rows)"
@@ -50,4 +55,18 @@ if has engine; then
   echo "engine tests: $(tail -1 "$LOG/engine_tests.log")"; grep '^\[gpu\]' "$LOG/engine_tests.log"
   (cd benchmarks && timeout 300 python3 bench_engine.py "$ENGINE") > "$LOG/bench_engine.log" 2>&1
   cat "$LOG/bench_engine.log" | grep '^|'
+  # the plain-torch references on the GPU, asked for explicitly (no silent fallback otherwise)
+  DSA_KERNELS=reference timeout 120 python3 -m dsa_trt.runtime.cli generate --engine "$ENGINE" --max-tokens 4 \
+    --temperature 0 --prompt "Hello" > "$LOG/reference_generate.log" 2>&1
+  echo "DSA_KERNELS=reference generate: rc=$? $(tail -1 "$LOG/reference_generate.log")"
+fi
+if has spec; then  # MTP speculative decoding: tokens/s with and without it, CUDA graphs on (issue 27)
+  for b in 1 8 32; do
+    for spec in "" "--speculative mtp"; do
+      # shellcheck disable=SC2086
+      timeout 120 python3 -m dsa_trt.runtime.cli bench --engine "$ENGINE" --num-prompts $b --max-tokens 64 \
+        --temperature 0 $spec > "$LOG/bench_spec_b${b}${spec:+_mtp}.log" 2>&1
+      echo "bench B=$b ${spec:-plain}: rc=$? $(grep -E 'output tok/s|acceptance' "$LOG/bench_spec_b${b}${spec:+_mtp}.log" | tr '\n' ' ')"
+    done
+  done
 fi
