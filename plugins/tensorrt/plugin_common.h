@@ -129,6 +129,12 @@ void expectSameDim(nv::Dims const& a, int32_t ai, char const* ta, nv::Dims const
 // Products that the kernels index with int32 (slot ids, page table entries) must fit int32.
 void expectInt32(int64_t value, char const* what);
 
+// 128-wide blocks of an fp8 weight extent (the scale tensors' extents): ceil(n / 128).
+inline int64_t fp8Blocks(int64_t n)
+{
+    return (n + DSA_FP8_BLOCK - 1) / DSA_FP8_BLOCK;
+}
+
 // The two pools (docs/architecture.md §5), checked against their cache format and declared dtype:
 //   MLA pool      fp8 [P, 64, 576 bytes]      bf16 [P, 64, 576]
 //   indexer pool  fp8 [P, 64 * 132 bytes]     bf16 [P, 64, 128]
