@@ -8,6 +8,8 @@
 //                                Implements every TensorRT entry point as noexcept and catches;
 //                                Derived supplies the op-specific parts as plain member functions
 //                                that may throw PluginError (see "What Derived provides" below).
+//   PoolWritePlugin<Derived>     PluginBase over OneBuildV2 for the in-place cache writes: output 0
+//                                is input Derived::kPool (aliased buffer, same dtype and shape).
 //   PluginCreator<Plugin>        IPluginCreatorV3One of one plugin: field names, createPlugin.
 //   FieldValues                  the scalar fields of a PluginFieldCollection, ONNX ints arriving as
 //                                kINT32 or kINT64, floats as kFLOAT32 or kFLOAT64; length checked.
