@@ -30,8 +30,8 @@
 
 #include "common.cuh"
 #include "dsa_moe_kernels.h"
-#include "fp8_wgmma_ss.cuh"
 #include "indexer_tile.cuh"
+#include "wgmma.cuh"
 
 namespace dsa_fp8 {
 
@@ -233,10 +233,7 @@ __device__ __forceinline__ void gemm_tile(const GemmArgs& g, uint8_t* smem, int 
 #pragma unroll
     for (int j = 0; j < BN / 2; ++j) fence_operand(acc[j]);
     dsa_wgmma::wgmma_fence();
-    dsa_fp8_mma::SS<BN>::run(acc, da + 0, db + 0, 0);  // k32 steps: +32 bytes = +2 in descriptor units
-    dsa_fp8_mma::SS<BN>::run(acc, da + 2, db + 2, 1);
-    dsa_fp8_mma::SS<BN>::run(acc, da + 4, db + 4, 1);
-    dsa_fp8_mma::SS<BN>::run(acc, da + 6, db + 6, 1);
+    dsa_wgmma::ss_k128<BN>(acc, da, db);
     dsa_wgmma::wgmma_commit();
     dsa_wgmma::wgmma_wait<0>();
 #pragma unroll

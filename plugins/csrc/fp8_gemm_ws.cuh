@@ -314,10 +314,7 @@ __device__ __forceinline__ void consumer(const WsArgs& g, uint8_t* smem, uint32_
 #pragma unroll
         for (int j = 0; j < R; ++j) dsa_fp8::fence_operand(a[j]);
         dsa_wgmma::wgmma_fence();
-        dsa_fp8_mma::SS<kTileM>::run(a, da + 0, db + 0, 0);
-        dsa_fp8_mma::SS<kTileM>::run(a, da + 2, db + 2, 1);
-        dsa_fp8_mma::SS<kTileM>::run(a, da + 4, db + 4, 1);
-        dsa_fp8_mma::SS<kTileM>::run(a, da + 6, db + 6, 1);
+        dsa_wgmma::ss_k128<kTileM>(a, da, db);
         dsa_wgmma::wgmma_commit();
         return sw;
       };
@@ -384,10 +381,7 @@ __device__ __forceinline__ void consumer(const WsArgs& g, uint8_t* smem, uint32_
       for (int j = 0; j < R; ++j) dsa_fp8::fence_operand(acc[j]);
       dsa_wgmma::wgmma_fence();
       constexpr int kN = kSwap ? BT : kTileM;
-      dsa_fp8_mma::SS<kN>::run(acc, da + 0, db + 0, 0);  // k32 steps: +32 bytes = +2 in descriptor units
-      dsa_fp8_mma::SS<kN>::run(acc, da + 2, db + 2, 1);
-      dsa_fp8_mma::SS<kN>::run(acc, da + 4, db + 4, 1);
-      dsa_fp8_mma::SS<kN>::run(acc, da + 6, db + 6, 1);
+      dsa_wgmma::ss_k128<kN>(acc, da, db);
       dsa_wgmma::wgmma_commit();
       dsa_wgmma::wgmma_wait<0>();
 #pragma unroll
