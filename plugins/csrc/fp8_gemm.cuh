@@ -157,6 +157,30 @@ __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.
 // One CTA's tile: weight rows [128 m_tile, +128) of expert `expert` against output rows
 // [row_begin, row_end) (at most BN), K blocks [kb_begin, kb_end). kF32Out: fp32 partials of split
 // `split` (the linear's split-K), else bf16 rows.
+// The fp32 promotion of one K block, total += acc * scale, on wgmma's m64nN accumulator layout:
+// acc[4j + {0,1}] are row r, columns 8j + 2c + {0,1}; acc[4j + {2,3}] row r + 8, the same columns.
+// promote_by_row: one scale per row (s_lo for row r, s_hi for row r + 8), every j.
+template <int R>
+__device__ __forceinline__ void promote_by_row(float (&total)[R], const float (&acc)[R], float s_lo, float s_hi) {
+#pragma unroll
+  for (int j = 0; j < R / 4; ++j) {
+    total[4 * j + 0] = fmaf(acc[4 * j + 0], s_lo, total[4 * j + 0]);
+    total[4 * j + 1] = fmaf(acc[4 * j + 1], s_lo, total[4 * j + 1]);
+    total[4 * j + 2] = fmaf(acc[4 * j + 2], s_hi, total[4 * j + 2]);
+    total[4 * j + 3] = fmaf(acc[4 * j + 3], s_hi, total[4 * j + 3]);
+  }
+}
+
+// promote_by_column: group j only, one scale per column (s_even for 8j + 2c, s_odd for 8j + 2c + 1).
+template <int R>
+__device__ __forceinline__ void promote_by_column(float (&total)[R], const float (&acc)[R], int j, float s_even,
+                                                  float s_odd) {
+  total[4 * j + 0] = fmaf(acc[4 * j + 0], s_even, total[4 * j + 0]);
+  total[4 * j + 1] = fmaf(acc[4 * j + 1], s_odd, total[4 * j + 1]);
+  total[4 * j + 2] = fmaf(acc[4 * j + 2], s_even, total[4 * j + 2]);
+  total[4 * j + 3] = fmaf(acc[4 * j + 3], s_odd, total[4 * j + 3]);
+}
+
 template <int BN, bool kF32Out>
 __device__ __forceinline__ void gemm_tile(const GemmArgs& g, uint8_t* smem, int expert, int m_tile, int64_t row_begin,
                                           int64_t row_end, int kb_begin, int kb_end, int split) {
@@ -245,11 +269,7 @@ __device__ __forceinline__ void gemm_tile(const GemmArgs& g, uint8_t* smem, int 
 #pragma unroll
     for (int j = 0; j < BN / 8; ++j) {
       const float2 s2 = *reinterpret_cast<const float2*>(sx + 8 * j + 2 * c);
-      const float s0 = sw * s2.x, s1 = sw * s2.y;
-      total[4 * j + 0] = fmaf(acc[4 * j + 0], s0, total[4 * j + 0]);
-      total[4 * j + 1] = fmaf(acc[4 * j + 1], s1, total[4 * j + 1]);
-      total[4 * j + 2] = fmaf(acc[4 * j + 2], s0, total[4 * j + 2]);
-      total[4 * j + 3] = fmaf(acc[4 * j + 3], s1, total[4 * j + 3]);
+      promote_by_column(total, acc, j, sw * s2.x, sw * s2.y);
     }
   }
 

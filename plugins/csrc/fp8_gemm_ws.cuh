@@ -325,13 +325,7 @@ __device__ __forceinline__ void consumer(const WsArgs& g, uint8_t* smem, uint32_
         const float* sx = reinterpret_cast<const float*>(smem + stage * L::kStage + L::kW + L::kX);
         const float s0 = sw * sx[r_lo], s1 = sw * sx[r_lo + 8];
         release(stage);
-#pragma unroll
-        for (int j = 0; j < R / 4; ++j) {
-          total[4 * j + 0] = fmaf(a[4 * j + 0], s0, total[4 * j + 0]);
-          total[4 * j + 1] = fmaf(a[4 * j + 1], s0, total[4 * j + 1]);
-          total[4 * j + 2] = fmaf(a[4 * j + 2], s1, total[4 * j + 2]);
-          total[4 * j + 3] = fmaf(a[4 * j + 3], s1, total[4 * j + 3]);
-        }
+        dsa_fp8::promote_by_row(total, a, s0, s1);
       };
       auto advance = [&] {
         if (++s == S) {
@@ -394,23 +388,11 @@ __device__ __forceinline__ void consumer(const WsArgs& g, uint8_t* smem, uint32_
         for (int j = 0; j < BT / 8; ++j) s2[j] = *reinterpret_cast<const float2*>(sx + 8 * j + 2 * quad);
         release(s);
 #pragma unroll
-        for (int j = 0; j < BT / 8; ++j) {
-          const float s0 = sw * s2[j].x, s1 = sw * s2[j].y;
-          total[4 * j + 0] = fmaf(acc[4 * j + 0], s0, total[4 * j + 0]);
-          total[4 * j + 1] = fmaf(acc[4 * j + 1], s1, total[4 * j + 1]);
-          total[4 * j + 2] = fmaf(acc[4 * j + 2], s0, total[4 * j + 2]);
-          total[4 * j + 3] = fmaf(acc[4 * j + 3], s1, total[4 * j + 3]);
-        }
+        for (int j = 0; j < BT / 8; ++j) dsa_fp8::promote_by_column(total, acc, j, sw * s2[j].x, sw * s2[j].y);
       } else {
         const float s0 = sw * sx[r_lo], s1 = sw * sx[r_lo + 8];
         release(s);
-#pragma unroll
-        for (int j = 0; j < R / 4; ++j) {
-          total[4 * j + 0] = fmaf(acc[4 * j + 0], s0, total[4 * j + 0]);
-          total[4 * j + 1] = fmaf(acc[4 * j + 1], s0, total[4 * j + 1]);
-          total[4 * j + 2] = fmaf(acc[4 * j + 2], s1, total[4 * j + 2]);
-          total[4 * j + 3] = fmaf(acc[4 * j + 3], s1, total[4 * j + 3]);
-        }
+        dsa_fp8::promote_by_row(total, acc, s0, s1);
       }
       if (++s == S) {
         s = 0;
