@@ -31,6 +31,7 @@
 #include "common.cuh"
 #include "dsa_moe_kernels.h"
 #include "indexer_tile.cuh"
+#include "ptx.cuh"
 #include "wgmma.cuh"
 
 namespace dsa_fp8 {
@@ -40,6 +41,7 @@ using dsa_indexer::cp_async_commit;
 using dsa_indexer::cp_async_wait;
 using dsa_indexer::fence_operand;
 using dsa_indexer::make_desc_sw128;
+using dsa_ptx::fence_proxy_async;  // before the barrier: cp.async writes -> wgmma operand reads
 
 constexpr int kBlock = DSA_FP8_BLOCK;  // 128: K block and weight-scale block
 constexpr int kTileM = 128;            // weight rows per CTA
@@ -151,12 +153,7 @@ __device__ __forceinline__ void cp_async_16_zfill(uint32_t dst, const void* src,
 __device__ __forceinline__ void cp_async_4_zfill(uint32_t dst, const void* src, uint32_t src_bytes) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
 }
-// cp.async writes (generic proxy) -> wgmma operand reads (async proxy), before the barrier
-__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
-// One CTA's tile: weight rows [128 m_tile, +128) of expert `expert` against output rows
-// [row_begin, row_end) (at most BN), K blocks [kb_begin, kb_end). kF32Out: fp32 partials of split
-// `split` (the linear's split-K), else bf16 rows.
 // The fp32 promotion of one K block, total += acc * scale, on wgmma's m64nN accumulator layout:
 // acc[4j + {0,1}] are row r, columns 8j + 2c + {0,1}; acc[4j + {2,3}] row r + 8, the same columns.
 // promote_by_row: one scale per row (s_lo for row r, s_hi for row r + 8), every j.
@@ -181,6 +178,9 @@ __device__ __forceinline__ void promote_by_column(float (&total)[R], const float
   total[4 * j + 3] = fmaf(acc[4 * j + 3], s_odd, total[4 * j + 3]);
 }
 
+// One CTA's tile: weight rows [128 m_tile, +128) of expert `expert` against output rows
+// [row_begin, row_end) (at most BN), K blocks [kb_begin, kb_end). kF32Out: fp32 partials of split
+// `split` (the linear's split-K), else bf16 rows.
 template <int BN, bool kF32Out>
 __device__ __forceinline__ void gemm_tile(const GemmArgs& g, uint8_t* smem, int expert, int m_tile, int64_t row_begin,
                                           int64_t row_end, int kb_begin, int kb_end, int split) {

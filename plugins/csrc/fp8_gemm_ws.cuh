@@ -70,6 +70,10 @@ namespace dsa_fp8_ws {
 using dsa_fp8::float_to_bf16_bits;
 using dsa_fp8::kBlock;
 using dsa_fp8::kTileM;
+using dsa_ptx::named_bar_sync;
+using dsa_ptx::setmaxnreg_dec;
+using dsa_ptx::setmaxnreg_inc;
+using dsa_ptx::smem_u32;
 
 constexpr int kThreads = 384;      // producer warpgroup + two consumer warpgroups
 constexpr int kGroupW = 8;         // weight tiles per raster group
@@ -112,9 +116,6 @@ struct WsTile {
 };
 
 // ---------------------------------------------------------------- PTX
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
 __device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
 }
@@ -173,17 +174,6 @@ __device__ __forceinline__ void cluster_sync() {
 }
 __device__ __forceinline__ void tma_prefetch_desc(const CUtensorMap* map) {
   asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
-}
-__device__ __forceinline__ void named_bar_sync(uint32_t id, uint32_t threads) {
-  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
-}
-template <uint32_t kRegs>
-__device__ __forceinline__ void setmaxnreg_inc() {
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs));
-}
-template <uint32_t kRegs>
-__device__ __forceinline__ void setmaxnreg_dec() {
-  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs));
 }
 
 // ---------------------------------------------------------------- work units
