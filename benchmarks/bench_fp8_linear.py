@@ -3,7 +3,8 @@ picks, + the split-K reduce when it splits K) on DeepSeek-V3.2's shapes, beside 
 matmul and torch._scaled_mm with DeepSeek block scaling (cuBLASLt; 1x128 activations, 128x128
 weights) on the same inputs in the same run. The "path" column is the plan of each row
 (dsa_fp8_block_linear_path: GEMM, tile of weight rows x tokens, K splits); DSA_FP8_LINEAR_PATH
-(tma, tma-nomc, tma-pipe, tma-swap, legacy), or --path, forces one GEMM for a whole run.
+(tma, tma-nomc, tma-pipe, tma-swap, legacy), or --path, forces one GEMM for a whole run. The
+operator runs through torch.ops.dsa.fp8_block_linear (the C++ binding: `make kernels torch-ops`).
 
 Method (as the other benchmarks, timing.py): random inputs; before every timed call an L2 flush
 (bitwise_not_ over 256 MB); each call captured once in a CUDA graph; median of --iters replays;
@@ -22,19 +23,18 @@ Usage: python benchmarks/bench_fp8_linear.py [--quick] [--iters 20] [--md out.md
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
-from ctypes import POINTER, c_int, c_int64, c_size_t, c_void_p
-from pathlib import Path
 
 import torch
 
 from timing import time_both_us
 
+from dsa_trt.plugins import cuda_ops
+from dsa_trt.plugins.kernel_abi import KernelLibrary
+
 FP8_TFLOPS = 1377.0
 HBM_TBPS = 4.2
 BLOCK = 128
-ROOT = Path(__file__).resolve().parents[1]
 
 SHAPES = [  # (name, N, K)
     ("q_a", 1536, 7168),
@@ -48,48 +48,6 @@ SHAPES = [  # (name, N, K)
 ]
 TOKENS = [1, 16, 64, 128, 512, 2048, 8192]
 QUICK_TOKENS = [1, 64, 4096]
-
-
-# ---------------------------------------------------------------- the C API (dsa_moe_kernels.h)
-class LinearParams(ctypes.Structure):
-    _fields_ = [
-        ("x", c_void_p), ("weight", c_void_p), ("weight_scale", c_void_p), ("out", c_void_p),
-        ("num_tokens", c_int64), ("n", c_int), ("k", c_int), ("x_stride", c_int64), ("out_stride", c_int64),
-        ("pow2_act_scales", c_int), ("workspace", c_void_p),
-    ]
-
-
-class MoeParams(ctypes.Structure):
-    _fields_ = [
-        ("x", c_void_p), ("topk_ids", c_void_p), ("topk_weights", c_void_p), ("w13", c_void_p),
-        ("w13_scale", c_void_p), ("w2", c_void_p), ("w2_scale", c_void_p), ("out", c_void_p),
-        ("num_tokens", c_int64), ("top_k", c_int), ("num_experts", c_int), ("num_local_experts", c_int),
-        ("expert_offset", c_int), ("hidden", c_int), ("inter", c_int), ("weight_format", c_int),
-        ("pow2_act_scales", c_int), ("workspace", c_void_p),
-    ]
-
-
-def load_library() -> ctypes.CDLL:
-    path = Path(os.environ.get("DSA_KERNEL_LIB", ROOT / "build" / "libdsa_kernels.so"))
-    if not path.exists():
-        raise SystemExit(f"{path} missing: build the kernel library first (make kernels)")
-    d = ctypes.CDLL(str(path))
-    d.dsa_last_error_message.restype = ctypes.c_char_p
-    d.dsa_fp8_block_linear_workspace_size.restype = c_size_t
-    d.dsa_fp8_block_linear_workspace_size.argtypes = [c_int64, c_int, c_int]
-    d.dsa_launch_fp8_block_linear.argtypes = [POINTER(LinearParams), c_void_p]
-    d.dsa_fp8_block_linear_path.restype = ctypes.c_char_p
-    d.dsa_fp8_block_linear_path.argtypes = [c_int64, c_int, c_int]
-    d.dsa_moe_experts_workspace_size.restype = c_size_t
-    d.dsa_moe_experts_workspace_size.argtypes = [c_int64, c_int, c_int, c_int, c_int, c_int]
-    d.dsa_launch_moe_experts.argtypes = [POINTER(MoeParams), c_void_p]
-    return d
-
-
-def launch_checked(fn, params, dll, op: str) -> None:
-    status = fn(ctypes.byref(params), ctypes.c_void_p(torch.cuda.current_stream().cuda_stream))
-    if status != 0:
-        raise RuntimeError(f"{op}: status {status}: {dll.dsa_last_error_message().decode()}")
 
 
 def random_e4m3(shape, g: torch.Generator) -> torch.Tensor:
@@ -107,21 +65,14 @@ def count_flops_and_bytes(t: int, n: int, k: int) -> tuple[float, float]:
 
 # ---------------------------------------------------------------- the cases
 class Linear:
-    """One preallocated dsa_launch_fp8_block_linear call (ue8m0 activation scales, as V3.2)."""
+    """One torch.ops.dsa.fp8_block_linear call on fixed inputs (ue8m0 activation scales, as V3.2); the
+    output and workspace it allocates stay in the CUDA graph's pool, so a replay only launches."""
 
-    def __init__(self, dll, x, w8, ws):
-        t, k = x.shape
-        n = w8.shape[0]
-        self.out = torch.empty(t, n, device="cuda", dtype=torch.bfloat16)
-        self.work = torch.empty(max(dll.dsa_fp8_block_linear_workspace_size(t, n, k), 16), device="cuda",
-                                dtype=torch.uint8)
-        self.keep = (x, w8, ws)
-        self.p = LinearParams(x.data_ptr(), w8.data_ptr(), ws.data_ptr(), self.out.data_ptr(), t, n, k, k, n, 1,
-                              self.work.data_ptr())
-        self.dll = dll
+    def __init__(self, x, w8, ws):
+        self.args = (x, w8, ws, True)
 
     def __call__(self):
-        launch_checked(self.dll.dsa_launch_fp8_block_linear, self.p, self.dll, "fp8_block_linear")
+        return torch.ops.dsa.fp8_block_linear(*self.args)
 
 
 def scaled_mm_fn(x, w8, ws):
@@ -155,7 +106,11 @@ def main() -> None:
     args = ap.parse_args()
     if args.path is not None:
         os.environ["DSA_FP8_LINEAR_PATH"] = args.path  # the library reads it at every launch
-    dll = load_library()
+    try:
+        cuda_ops.load("cuda")
+        lib = KernelLibrary()  # the plan text of each row (the op does not report it)
+    except (OSError, RuntimeError) as e:
+        raise SystemExit(str(e)) from None
     g = torch.Generator(device="cuda").manual_seed(0)
     flush_buf = torch.empty(64 << 20, dtype=torch.int32, device="cuda")
     header = ("| shape (N x K) | T | path | µs | TFLOP/s | TB/s | % of roofline | bf16 matmul µs | _scaled_mm µs | "
@@ -167,11 +122,11 @@ def main() -> None:
         ws = (torch.rand(-(-n // BLOCK), -(-k // BLOCK), generator=g, device="cuda") * 1e-2 + 1e-3).contiguous()
         wb = w8.to(torch.bfloat16)
         for t in (QUICK_TOKENS if args.quick else TOKENS):
-            label = f"{name} {n}x{k} | {t} | {dll.dsa_fp8_block_linear_path(t, n, k).decode()}"
+            label = f"{name} {n}x{k} | {t} | {lib.linear_path(t, n, k)}"
             try:
                 x = torch.randn(t, k, generator=g, device="cuda").to(torch.bfloat16)
                 flops, nbytes = count_flops_and_bytes(t, n, k)
-                ev, us = time_both_us(Linear(dll, x, w8, ws), flush_buf, args.iters)
+                ev, us = time_both_us(Linear(x, w8, ws), flush_buf, args.iters)
                 us = us if us is not None else ev
                 roof = max(flops / (FP8_TFLOPS * 1e12), nbytes / (HBM_TBPS * 1e12)) * 1e6
                 ob = torch.empty(t, n, device="cuda", dtype=torch.bfloat16)
@@ -188,7 +143,7 @@ def main() -> None:
                        f"{100 * roof / us:.1f} | {bus:.1f} | {smm} | {ratio} |")
             except torch.OutOfMemoryError:
                 row = f"| {label} | OOM | | | | | | |"
-            except RuntimeError as e:
+            except (RuntimeError, ValueError) as e:  # the op's refusals: NotImplementedError, ValueError
                 row = f"| {label} | UNSUPPORTED ({str(e)[:100]}) | | | | | | |"
             torch.cuda.empty_cache()
             rows.append(row)

@@ -1,7 +1,8 @@
 """Benchmark: the routed MoE experts (plugins/csrc/moe_experts.cu: routing prep, act_quant,
 grouped fp8 gate|up GEMM, swiglu + requant, grouped down GEMM, combine) at DeepSeek-V3.2's real
 dims: 256 experts all on this GPU, top-8, D 7168, I 2048, e4m3 weights with 128x128 scales,
-uniform random routing (8 distinct experts per token), ue8m0 activation scales.
+uniform random routing (8 distinct experts per token), ue8m0 activation scales. The operator runs
+through torch.ops.dsa.moe_experts (the C++ binding: `make kernels torch-ops`).
 
 Method (timing.py): one CUDA graph per operator, the L2 flushed before each replay, the GPU span
 of the replay from the profiler (events as a cross-check), median of --iters. The whole operator
@@ -25,15 +26,13 @@ Usage: python benchmarks/bench_moe.py [--quick] [--iters 20] [--md out.md]
 from __future__ import annotations
 
 import argparse
-import ctypes
-import os
-from ctypes import POINTER, c_int, c_int64, c_size_t, c_void_p
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from timing import time_both_us
+
+from dsa_trt.plugins import cuda_ops
 
 NUM_EXPERTS, TOP_K, D, I = 256, 8, 7168, 2048
 BLOCK = 128
@@ -41,31 +40,6 @@ HBM_TBPS = 4.2
 FP8_TFLOPS = 1377.0
 TOKENS = [1, 8, 32, 128, 512, 4096, 16384]
 QUICK_TOKENS = [1, 32, 4096]
-ROOT = Path(__file__).resolve().parents[1]
-
-
-# ---------------------------------------------------------------- the C API (dsa_moe_kernels.h)
-class MoeParams(ctypes.Structure):
-    _fields_ = [
-        ("x", c_void_p), ("topk_ids", c_void_p), ("topk_weights", c_void_p), ("w13", c_void_p),
-        ("w13_scale", c_void_p), ("w2", c_void_p), ("w2_scale", c_void_p), ("out", c_void_p),
-        ("num_tokens", c_int64), ("top_k", c_int), ("num_experts", c_int), ("num_local_experts", c_int),
-        ("expert_offset", c_int), ("hidden", c_int), ("inter", c_int), ("weight_format", c_int),
-        ("pow2_act_scales", c_int), ("workspace", c_void_p),
-    ]
-
-
-def load_library() -> ctypes.CDLL:
-    path = Path(os.environ.get("DSA_KERNEL_LIB", ROOT / "build" / "libdsa_kernels.so"))
-    if not path.exists():
-        raise SystemExit(f"{path} missing: build the kernel library first (make kernels)")
-    d = ctypes.CDLL(str(path))
-    d.dsa_last_error_message.restype = ctypes.c_char_p
-    d.dsa_moe_experts_workspace_size.restype = c_size_t
-    d.dsa_moe_experts_workspace_size.argtypes = [c_int64, c_int, c_int, c_int, c_int, c_int]
-    d.dsa_launch_moe_experts.restype = c_int
-    d.dsa_launch_moe_experts.argtypes = [POINTER(MoeParams), c_void_p]
-    return d
 
 
 # ---------------------------------------------------------------- counting (pure, CPU-checkable)
@@ -111,24 +85,14 @@ def uniform_routing(t: int, g: torch.Generator, device: str) -> tuple[torch.Tens
 
 # ---------------------------------------------------------------- the operator and the anchor
 class Moe:
-    """One preallocated dsa_launch_moe_experts call (ue8m0 activation scales, as V3.2)."""
+    """One torch.ops.dsa.moe_experts call on fixed inputs (ue8m0 activation scales, as V3.2); the
+    output and workspace it allocates stay in the CUDA graph's pool, so a replay only launches."""
 
-    def __init__(self, dll, x, ids, weights, w13, s13, w2, s2):
-        t = x.shape[0]
-        self.out = torch.empty(t, D, device="cuda", dtype=torch.float32)
-        ws = dll.dsa_moe_experts_workspace_size(t, TOP_K, NUM_EXPERTS, D, I, 0)
-        self.work = torch.empty(max(ws, 16), device="cuda", dtype=torch.uint8)
-        self.keep = (x, ids, weights)
-        self.p = MoeParams(x.data_ptr(), ids.data_ptr(), weights.data_ptr(), w13.data_ptr(), s13.data_ptr(),
-                           w2.data_ptr(), s2.data_ptr(), self.out.data_ptr(), t, TOP_K, NUM_EXPERTS, NUM_EXPERTS, 0,
-                           D, I, 0, 1, self.work.data_ptr())
-        self.dll = dll
+    def __init__(self, x, ids, weights, w13, s13, w2, s2):
+        self.args = (x, ids, weights, w13, s13, w2, s2, NUM_EXPERTS, 0, True)
 
     def __call__(self):
-        status = self.dll.dsa_launch_moe_experts(ctypes.byref(self.p),
-                                                 ctypes.c_void_p(torch.cuda.current_stream().cuda_stream))
-        if status != 0:
-            raise RuntimeError(f"moe_experts: status {status}: {self.dll.dsa_last_error_message().decode()}")
+        return torch.ops.dsa.moe_experts(*self.args)
 
 
 def quant_1x128(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -225,7 +189,10 @@ def main() -> None:
     ap.add_argument("--no-anchor", action="store_true", help="skip the torch-loop anchor")
     ap.add_argument("--md", type=str, default=None)
     args = ap.parse_args()
-    dll = load_library()
+    try:
+        cuda_ops.load("cuda")
+    except RuntimeError as e:
+        raise SystemExit(str(e)) from None
     g = torch.Generator(device="cuda").manual_seed(0)
     flush_buf = torch.empty(64 << 20, dtype=torch.int32, device="cuda")
     w13 = random_e4m3((NUM_EXPERTS, 2 * I, D), g)  # 7.5 GB
@@ -240,7 +207,7 @@ def main() -> None:
             x = torch.randn(t, D, generator=g, device="cuda").to(torch.bfloat16)
             ids, weights = uniform_routing(t, g, "cuda")
             touched = int(torch.unique(ids).numel())
-            ev, us = time_both_us(Moe(dll, x, ids, weights, w13, s13, w2, s2), flush_buf, args.iters)
+            ev, us = time_both_us(Moe(x, ids, weights, w13, s13, w2, s2), flush_buf, args.iters)
             us = us if us is not None else ev
             anchor_us, anchor = None, "skipped"
             if not args.no_anchor:
@@ -253,7 +220,7 @@ def main() -> None:
             row = format_row(t, touched, us, anchor_us, anchor)
         except torch.OutOfMemoryError:
             row = f"| {t} | OOM | | | | | | | | | |"
-        except RuntimeError as e:
+        except (RuntimeError, ValueError) as e:  # the op's refusals: NotImplementedError, ValueError
             row = f"| {t} | UNSUPPORTED ({str(e)[:100]}) | | | | | | | | | |"
         torch.cuda.empty_cache()
         rows.append(row)

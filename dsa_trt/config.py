@@ -28,6 +28,13 @@ from dsa_trt.cache_layout import (  # noqa: F401
 )
 
 SUPPORTED_MODEL_TYPES = ("deepseek_v32", "glm_moe_dsa")
+# config.json fields with no default: ModelConfig.from_hf_dict names the first one missing
+REQUIRED_FIELDS = (
+    "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "q_lora_rank", "kv_lora_rank",
+    "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "index_n_heads", "index_head_dim", "index_topk",
+    "intermediate_size", "moe_intermediate_size", "n_routed_experts", "num_experts_per_tok",
+    "max_position_embeddings",
+)
 
 
 class ConfigError(ValueError):
@@ -177,30 +184,14 @@ class ModelConfig:
         block = tuple(q["weight_block_size"]) if q else None
         kwargs = dict(
             model_type=model_type,
-            vocab_size=need("vocab_size"),
-            hidden_size=need("hidden_size"),
-            num_hidden_layers=need("num_hidden_layers"),
-            num_attention_heads=need("num_attention_heads"),
-            q_lora_rank=need("q_lora_rank"),
-            kv_lora_rank=need("kv_lora_rank"),
-            qk_nope_head_dim=need("qk_nope_head_dim"),
-            qk_rope_head_dim=need("qk_rope_head_dim"),
-            v_head_dim=need("v_head_dim"),
-            index_n_heads=need("index_n_heads"),
-            index_head_dim=need("index_head_dim"),
-            index_topk=need("index_topk"),
+            **{key: need(key) for key in REQUIRED_FIELDS},
             first_k_dense_replace=d.get("first_k_dense_replace", 0),
-            intermediate_size=need("intermediate_size"),
-            moe_intermediate_size=need("moe_intermediate_size"),
-            n_routed_experts=need("n_routed_experts"),
             n_shared_experts=d.get("n_shared_experts", 0) or 0,
-            num_experts_per_tok=need("num_experts_per_tok"),
             n_group=d.get("n_group", 1) or 1,
             topk_group=d.get("topk_group", 1) or 1,
             routed_scaling_factor=float(d.get("routed_scaling_factor", 1.0)),
             norm_topk_prob=bool(d.get("norm_topk_prob", True)),
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-            max_position_embeddings=need("max_position_embeddings"),
             rope_theta=float(rope_theta),
             rope_type=rope_type,
             rope_factor=float(rope.get("factor", 1.0)),

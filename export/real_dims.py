@@ -30,7 +30,6 @@ from dsa_trt.config import FP8_E4M3_MAX, ModelConfig
 from .checkpoint import (
     FP8,
     FP8_SCALE_AMAX_FLOOR,
-    INDEX_FILE,
     SCALE_SUFFIX,
     _dtype_name,
     expected_tensors,
@@ -42,44 +41,17 @@ from .tiny_checkpoint import (
     K_NORM_BIAS_STD,
     LM_HEAD_STD,
     NORM_WEIGHT_STD,
-    QUANTIZATION_CONFIG,
     TINY_CONFIG,
+    V32_DIMS,
     _layer_order,
     _write_json,
+    hf_config_dict,
+    shard_file_name,
+    shard_groups,
+    write_index,
     write_tokenizer,
 )
 
-# spec/MODEL.md §1.1 (HF's DeepseekV32Config defaults are the same values)
-V32_DIMS = dict(
-    vocab_size=129280,
-    hidden_size=7168,
-    intermediate_size=18432,
-    moe_intermediate_size=2048,
-    num_attention_heads=128,
-    num_key_value_heads=128,
-    q_lora_rank=1536,
-    kv_lora_rank=512,
-    qk_rope_head_dim=64,
-    qk_nope_head_dim=128,
-    v_head_dim=128,
-    index_n_heads=64,
-    index_head_dim=128,
-    index_topk=2048,
-    n_routed_experts=256,
-    n_shared_experts=1,
-    num_experts_per_tok=8,
-    n_group=8,
-    topk_group=4,
-    routed_scaling_factor=2.5,
-    norm_topk_prob=True,
-    hidden_act="silu",
-    rope_parameters=TINY_CONFIG["rope_parameters"],  # the real V3.2 YaRN (factor 40)
-    max_position_embeddings=163840,
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=False,
-    bos_token_id=0,
-    eos_token_id=1,
-)
 DEFAULT_LAYERS = 2
 DEFAULT_DENSE_LAYERS = 1  # layer 0 dense, the rest MoE (the real model: 3 of 61)
 MAX_GROUPS = V32_DIMS["n_group"]
@@ -149,12 +121,7 @@ def real_dims_config_dict(layers: int = DEFAULT_LAYERS, experts: int = V32_DIMS[
                   num_nextn_predict_layers=mtp_layers)
     config = DeepseekV32Config(**kwargs)
     config.architectures = [ARCHITECTURE["deepseek_v32"]]
-    config.dtype = torch.bfloat16
-    d = json.loads(config.to_json_string(use_diff=True))
-    for key in ("transformers_version", "_name_or_path", "id2label", "label2id"):
-        d.pop(key, None)
-    d["quantization_config"] = dict(QUANTIZATION_CONFIG)
-    return d
+    return hf_config_dict(config)
 
 
 # ------------------------------------------------------------------------- the stream
@@ -220,16 +187,9 @@ def _units(cfg: ModelConfig) -> list[list[tuple[str, tuple, torch.dtype]]]:
 
 
 def _shards(units, max_shard_bytes: int) -> list[list[tuple[str, tuple, torch.dtype]]]:
-    shards: list[list] = [[]]
-    size = 0
-    for unit in units:
-        nbytes = sum(math.prod(shape) * dtype.itemsize for _, shape, dtype in unit)
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append([])
-            size = 0
-        shards[-1].extend(unit)
-        size += nbytes
-    return shards
+    """The units cut into shards (a weight and its scale stay together), each a flat entry list."""
+    sizes = [sum(math.prod(shape) * dtype.itemsize for _, shape, dtype in unit) for unit in units]
+    return [[entry for unit in group for entry in unit] for group in shard_groups(units, sizes, max_shard_bytes)]
 
 
 def _write_shard(path: Path, entries, cfg: ModelConfig, gen: torch.Generator) -> int:
@@ -286,10 +246,10 @@ def write_real_dims_checkpoint(out_dir: str | Path, seed: int = 0, layers: int =
     shards = _shards(_units(cfg), max_shard_bytes)
     weight_map, total = {}, 0
     for i, entries in enumerate(shards):
-        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        file = shard_file_name(i, len(shards))
         total += _write_shard(out_dir / file, entries, cfg, gen)
         weight_map.update((name, file) for name, _, _ in entries)
     _write_json(out_dir / "config.json", config)
-    _write_json(out_dir / INDEX_FILE, {"metadata": {"total_size": total}, "weight_map": weight_map})
+    write_index(out_dir, total, weight_map)
     write_tokenizer(out_dir)
     return WriteStats(out_dir, len(weight_map), len(shards), total, time.perf_counter() - t0, _rss_bytes(), start_rss)

@@ -59,29 +59,28 @@ TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 MODEL_TYPES = ("deepseek_v32", "glm_moe_dsa")
 ARCHITECTURE = {"deepseek_v32": "DeepseekV32ForCausalLM", "glm_moe_dsa": "GlmMoeDsaForCausalLM"}
 
-# The tiny model: the real one's dimensions scaled down, its DSA structure (MLA, indexer, MoE, MTP) kept
-TINY_CONFIG = dict(
-    vocab_size=512,
-    hidden_size=256,
-    intermediate_size=512,
-    moe_intermediate_size=128,
-    num_hidden_layers=3,
-    first_k_dense_replace=1,
-    num_attention_heads=4,
-    num_key_value_heads=4,
-    q_lora_rank=128,
+# DeepSeek-V3.2's own config (spec/MODEL.md section 1.1; HF's DeepseekV32Config defaults are the
+# same values) but for the layer counts: the base of the tiny model and of the v32-real-dims preset
+V32_DIMS = dict(
+    vocab_size=129280,
+    hidden_size=7168,
+    intermediate_size=18432,
+    moe_intermediate_size=2048,
+    num_attention_heads=128,
+    num_key_value_heads=128,
+    q_lora_rank=1536,
     kv_lora_rank=512,
     qk_rope_head_dim=64,
     qk_nope_head_dim=128,
     v_head_dim=128,
     index_n_heads=64,
     index_head_dim=128,
-    index_topk=16,
-    n_routed_experts=8,
-    n_group=4,
-    topk_group=2,
-    num_experts_per_tok=2,
+    index_topk=2048,
+    n_routed_experts=256,
     n_shared_experts=1,
+    num_experts_per_tok=8,
+    n_group=8,
+    topk_group=4,
     routed_scaling_factor=2.5,
     norm_topk_prob=True,
     hidden_act="silu",
@@ -100,6 +99,25 @@ TINY_CONFIG = dict(
     tie_word_embeddings=False,
     bos_token_id=0,
     eos_token_id=1,
+)
+# The tiny model: the real one's widths, head and expert counts scaled down; its DSA structure (MLA,
+# indexer, MoE, MTP), head dims, latent and index dims, RoPE and routing kept
+TINY_CONFIG = dict(
+    V32_DIMS,
+    vocab_size=512,
+    hidden_size=256,
+    intermediate_size=512,
+    moe_intermediate_size=128,
+    num_hidden_layers=3,
+    first_k_dense_replace=1,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    q_lora_rank=128,
+    index_topk=16,
+    n_routed_experts=8,
+    n_group=4,
+    topk_group=2,
+    num_experts_per_tok=2,
     num_nextn_predict_layers=1,
 )
 # GLM-5's differences from V3.2 at the tiny size; every layer keeps its own indexer (no shared layers)
@@ -150,7 +168,12 @@ def tiny_hf_config(model_type: str = "deepseek_v32", num_hidden_layers: int | No
 
 def tiny_config_dict(model_type: str = "deepseek_v32", quantized: bool = True) -> dict:
     """The config.json contents of the tiny checkpoint."""
-    config = tiny_hf_config(model_type)
+    return hf_config_dict(tiny_hf_config(model_type), quantized)
+
+
+def hf_config_dict(config: PretrainedConfig, quantized: bool = True) -> dict:
+    """config.json contents for a transformers config: bf16, only what differs from the class
+    defaults, no bookkeeping keys, and the release's fp8 quantization_config when quantized."""
     config.dtype = torch.bfloat16
     d = json.loads(config.to_json_string(use_diff=True))
     for key in ("transformers_version", "_name_or_path", "id2label", "label2id"):
@@ -310,22 +333,37 @@ def write_dequantized_hf_copy(src_dir: str | Path, dst_dir: str | Path) -> Path:
 
 def write_shards(tensors: dict[str, torch.Tensor], out_dir: Path, max_shard_bytes: int = MAX_SHARD_BYTES) -> None:
     """HF-style ``model-0000i-of-0000n.safetensors`` shards in name order, plus the index."""
-    groups: list[list[str]] = [[]]
+    names = sorted(tensors, key=_layer_order)
+    groups = shard_groups(names, [tensors[n].numel() * tensors[n].element_size() for n in names], max_shard_bytes)
+    weight_map = {}
+    for i, group in enumerate(groups):
+        file = shard_file_name(i, len(groups))
+        save_file({n: tensors[n] for n in group}, str(out_dir / file), metadata={"format": "pt"})
+        weight_map.update((n, file) for n in group)
+    write_index(out_dir, sum(t.numel() * t.element_size() for t in tensors.values()), weight_map)
+
+
+def shard_groups(items: list, sizes: list[int], max_shard_bytes: int) -> list[list]:
+    """The items in order, cut into shards of at most max_shard_bytes (an item larger than that
+    gets a shard of its own); sizes[i] is the byte size of items[i]."""
+    groups: list[list] = [[]]
     size = 0
-    for name in sorted(tensors, key=_layer_order):
-        nbytes = tensors[name].numel() * tensors[name].element_size()
+    for item, nbytes in zip(items, sizes, strict=True):
         if groups[-1] and size + nbytes > max_shard_bytes:
             groups.append([])
             size = 0
-        groups[-1].append(name)
+        groups[-1].append(item)
         size += nbytes
-    weight_map = {}
-    for i, names in enumerate(groups):
-        file = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
-        save_file({n: tensors[n] for n in names}, str(out_dir / file), metadata={"format": "pt"})
-        weight_map.update((n, file) for n in names)
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
-    _write_json(out_dir / INDEX_FILE, {"metadata": {"total_size": total}, "weight_map": weight_map})
+    return groups
+
+
+def shard_file_name(index: int, count: int) -> str:
+    return f"model-{index + 1:05d}-of-{count:05d}.safetensors"
+
+
+def write_index(out_dir: Path, total_size: int, weight_map: dict[str, str]) -> None:
+    """The shard index (model.safetensors.index.json): total byte size and tensor -> shard file."""
+    _write_json(out_dir / INDEX_FILE, {"metadata": {"total_size": total_size}, "weight_map": weight_map})
 
 
 def _layer_order(name: str) -> tuple[int, str]:

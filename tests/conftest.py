@@ -61,3 +61,18 @@ def fp8_engine(tiny_ckpt, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("engines") / "tiny-fp8"
     build_engine(tiny_ckpt, out, cache_mode="fp8", compiler="aoti", device="cpu", dtype="float32")
     return out
+
+
+@pytest.fixture(scope="session")
+def gpu_engine(tiny_ckpt, tmp_path_factory) -> Path:
+    """The tiny CUDA engine (AOTInductor, our kernels, bf16, fp8 caches), built once per session;
+    DSA_TEST_GPU_ENGINE points at one built earlier in the same device run (saves a compile)."""
+    from dsa_trt.builder.build import build_engine
+    from dsa_trt.plugins import cuda_ops
+
+    assert cuda_ops.load("cuda"), "the CUDA kernel library must be built (make kernels) for GPU tests"
+    if os.environ.get("DSA_TEST_GPU_ENGINE"):
+        return Path(os.environ["DSA_TEST_GPU_ENGINE"])
+    out = tmp_path_factory.mktemp("gpu") / "tiny-fp8-cuda"
+    build_engine(tiny_ckpt, out, cache_mode="fp8", compiler="aoti", device="cuda", dtype="bfloat16")
+    return out

@@ -5,35 +5,28 @@ profile sizes for its largest T holds every smaller T's plan (it grows with T)."
 
 from __future__ import annotations
 
-import ctypes
-import os
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from dsa_trt.plugins.kernel_abi import KernelLibrary, library_path
+
 BLOCK = 128
 REAL_LINEAR_SHAPES = [(1536, 7168), (24576, 1536), (576, 7168), (32768, 512), (7168, 16384), (8192, 1536),
                       (36864, 7168), (7168, 18432)]
 
 
 @pytest.fixture(scope="module")
-def lib() -> ctypes.CDLL:
-    path = Path(os.environ.get("DSA_KERNEL_LIB") or ROOT / "build" / "libdsa_kernels.so")
+def lib() -> KernelLibrary:
+    path = library_path()
     if not path.exists():
         pytest.skip(f"{path} not built (make kernels)")
-    d = ctypes.CDLL(str(path))
-    if not hasattr(d, "dsa_fp8_block_linear_path"):
-        pytest.fail(f"{path} is a stale build (no dsa_fp8_block_linear_path): rebuild it with `make kernels`")
-    d.dsa_fp8_block_linear_path.restype = ctypes.c_char_p
-    d.dsa_fp8_block_linear_path.argtypes = [ctypes.c_int64, ctypes.c_int, ctypes.c_int]
-    d.dsa_fp8_block_linear_workspace_size.restype = ctypes.c_size_t
-    d.dsa_fp8_block_linear_workspace_size.argtypes = [ctypes.c_int64, ctypes.c_int, ctypes.c_int]
-    return d
+    try:
+        return KernelLibrary(path)
+    except RuntimeError as e:  # a stale build
+        pytest.fail(str(e))
 
 
-def path_of(lib, t: int, n: int, k: int) -> str:
-    return lib.dsa_fp8_block_linear_path(t, n, k).decode()
+def path_of(lib: KernelLibrary, t: int, n: int, k: int) -> str:
+    return lib.linear_path(t, n, k)
 
 
 def test_auto_paths(lib, monkeypatch):
@@ -65,7 +58,7 @@ def test_workspace_grows_with_tokens(lib, n, k):
     nkb = -(-k // BLOCK)
     prev = 0
     for t in list(range(0, 300)) + [511, 512, 513, 2048, 4095, 4096, 8192, 16384]:
-        size = lib.dsa_fp8_block_linear_workspace_size(t, n, k)
+        size = lib.dll.dsa_fp8_block_linear_workspace_size(t, n, k)
         assert size >= prev, f"N={n} K={k}: workspace({t}) = {size} < workspace of fewer tokens {prev}"
         assert size >= t * nkb * BLOCK + t * nkb * 4, f"N={n} K={k} T={t}: no room for the quantised x"
         prev = size

@@ -4,7 +4,6 @@ against the GPU reference path, and CUDA-graph decode against eager decode. Runs
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,20 +12,6 @@ from tests.conftest import requires_cuda
 from tests.helpers.engine_checks import PROMPTS, STEPS, teacher_forced_greedy
 
 pytestmark = [requires_cuda, pytest.mark.gpu]
-
-
-
-@pytest.fixture(scope="module")
-def gpu_engine(tiny_ckpt, tmp_path_factory):
-    from dsa_trt.builder.build import build_engine
-    from dsa_trt.plugins import cuda_ops
-
-    assert cuda_ops.load("cuda"), "the CUDA kernel library must be built (make kernels) for GPU tests"
-    if os.environ.get("DSA_TEST_GPU_ENGINE"):  # built earlier in the same device run (saves a compile)
-        return Path(os.environ["DSA_TEST_GPU_ENGINE"])
-    out = tmp_path_factory.mktemp("gpu") / "tiny-fp8-cuda"
-    build_engine(tiny_ckpt, out, cache_mode="fp8", compiler="aoti", device="cuda", dtype="bfloat16")
-    return out
 
 
 def _greedy(llm, prompts=PROMPTS, steps=STEPS):

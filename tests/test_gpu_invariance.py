@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 from contextlib import contextmanager
-from pathlib import Path
 
 import pytest
 import torch
@@ -23,19 +22,6 @@ from tests.test_batch_invariance import GREEDY, MIXED, SEEDED, TARGET
 pytestmark = [requires_cuda, pytest.mark.gpu]
 
 MAX_TOKENS = 24
-
-
-@pytest.fixture(scope="module")
-def gpu_engine(tiny_ckpt, tmp_path_factory) -> Path:
-    from dsa_trt.builder.build import build_engine
-    from dsa_trt.plugins import cuda_ops
-
-    assert cuda_ops.load("cuda"), "the CUDA kernel library must be built (make kernels) for GPU tests"
-    if os.environ.get("DSA_TEST_GPU_ENGINE"):  # built earlier in the same device run (saves a compile)
-        return Path(os.environ["DSA_TEST_GPU_ENGINE"])
-    out = tmp_path_factory.mktemp("gpu") / "tiny-fp8-cuda"
-    build_engine(tiny_ckpt, out, cache_mode="fp8", compiler="aoti", device="cuda", dtype="bfloat16")
-    return out
 
 
 @pytest.fixture(scope="module")

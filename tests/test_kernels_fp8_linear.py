@@ -22,10 +22,7 @@ kernel tests are tests/test_kernels_moe_cuda.py.
 
 from __future__ import annotations
 
-import ctypes
 import math
-import os
-from pathlib import Path
 
 import pytest
 import torch
@@ -33,6 +30,7 @@ import torch
 import dsa_trt.plugins.fp8_ops  # noqa: F401  (registers the ops)
 from dsa_trt.plugins import cuda_ops
 from dsa_trt.plugins import fp8_reference as ref
+from dsa_trt.plugins.kernel_abi import KernelLibrary
 
 pytestmark = [
     pytest.mark.gpu,
@@ -40,7 +38,6 @@ pytestmark = [
 ]
 
 DEV = "cuda"
-ROOT = Path(__file__).resolve().parents[1]
 PATH_KNOB = "DSA_FP8_LINEAR_PATH"
 LINEAR_PATHS = ["tma", "tma-nomc", "tma-pipe", "tma-swap", "legacy"]
 TC_ACCUMULATION = 2.0**-12  # of sum |x||w|: the fp8 tensor core's running sum (see above)
@@ -55,11 +52,9 @@ def cuda_kernels():
     assert cuda_ops.load("cuda"), "the CUDA kernels must serve torch.ops.dsa here (make kernels torch-ops)"
 
 
-def kernel_library() -> ctypes.CDLL:
-    d = ctypes.CDLL(os.environ.get("DSA_KERNEL_LIB") or str(ROOT / "build" / "libdsa_kernels.so"))
-    d.dsa_fp8_block_linear_path.restype = ctypes.c_char_p
-    d.dsa_fp8_block_linear_path.argtypes = [ctypes.c_int64, ctypes.c_int, ctypes.c_int]
-    return d
+def kernel_library() -> KernelLibrary:
+    """The kernel library itself, for the plan a launch runs (the op does not report it)."""
+    return KernelLibrary()
 
 
 def gen(seed: int) -> torch.Generator:
@@ -143,7 +138,7 @@ def test_fp8_block_linear_designed(tokens, n, k, pow2):
 @pytest.mark.parametrize("n,k", DESIGNED_SHAPES)
 def test_fp8_block_linear_forced_path(monkeypatch, path, tokens, n, k):
     monkeypatch.setenv(PATH_KNOB, path)
-    assert kernel_library().dsa_fp8_block_linear_path(tokens, n, k).decode().startswith(path + " ")
+    assert kernel_library().linear_path(tokens, n, k).startswith(path + " ")
     pow2 = (tokens + n) % 2 == 0
     check_linear(tokens, n, k, pow2, tokens * 7 + n + 3 * k, f"{path} T={tokens} N={n} K={k} pow2={pow2}")
 
@@ -151,7 +146,7 @@ def test_fp8_block_linear_forced_path(monkeypatch, path, tokens, n, k):
 @pytest.mark.parametrize("n,k", REAL_LINEAR_SHAPES)
 @pytest.mark.parametrize("tokens", [1, 16, 64, 129, 512, 4096])
 def test_fp8_block_linear_real_shapes(tokens, n, k):
-    path = kernel_library().dsa_fp8_block_linear_path(tokens, n, k).decode()
+    path = kernel_library().linear_path(tokens, n, k)
     check_linear(tokens, n, k, True, n + k + tokens, f"T={tokens} N={n} K={k} ({path})", gpu_reference=tokens >= 129)
 
 

@@ -1,6 +1,7 @@
 """CUDA kernels of the fp8 block linear and the routed MoE experts (plugins/csrc/fp8_linear.cu,
-moe_experts.cu, through the C API of plugins/csrc/dsa_moe_kernels.h) against a plain-torch
-emulation written here (independent of production code). Runs on the H200; skips without CUDA.
+moe_experts.cu, through the C API of plugins/csrc/dsa_moe_kernels.h via plugins/kernel_abi.py)
+against a plain-torch emulation written here (independent of production code). Runs on the H200;
+skips without CUDA.
 
 Numerics, two tiers (STYLE.md):
 * tight: the emulation quantises the activations exactly as the official act_quant does (same
@@ -27,8 +28,6 @@ from __future__ import annotations
 
 import ctypes
 import math
-import os
-from ctypes import POINTER, c_float, c_int, c_int64, c_size_t, c_void_p
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,6 +35,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from dsa_trt.plugins.kernel_abi import (ERR_INVALID_ARG, ERR_UNSUPPORTED, MOE_BF16, MOE_FP8_BLOCK,
+                                        Fp8BlockLinearParams, KernelLibrary, MoeExpertsParams, library_path)
 from tests.helpers.moe_tiers import (MOE_REL_L2, MOE_TOKEN_REL_L2, describe_pairwise, expand_pairs,
                                   recombine, statistical)
 
@@ -49,56 +50,14 @@ BLOCK = 128
 E4M3_MAX = 448.0
 E4M3_MAX_INV = torch.tensor(1.0 / E4M3_MAX, dtype=torch.float32).item()
 AMAX_FLOOR = 1e-4
-FP8_BLOCK, MOE_BF16 = 0, 1
-ERR_INVALID_ARG, ERR_UNSUPPORTED = -1, -2
 ROOT = Path(__file__).resolve().parents[1]
 
 
-# ---------------------------------------------------------------- the C API (dsa_moe_kernels.h)
-class LinearParams(ctypes.Structure):
-    _fields_ = [
-        ("x", c_void_p), ("weight", c_void_p), ("weight_scale", c_void_p), ("out", c_void_p),
-        ("num_tokens", c_int64), ("n", c_int), ("k", c_int), ("x_stride", c_int64), ("out_stride", c_int64),
-        ("pow2_act_scales", c_int), ("workspace", c_void_p),
-    ]
-
-
-class MoeParams(ctypes.Structure):
-    _fields_ = [
-        ("x", c_void_p), ("topk_ids", c_void_p), ("topk_weights", c_void_p), ("w13", c_void_p),
-        ("w13_scale", c_void_p), ("w2", c_void_p), ("w2_scale", c_void_p), ("out", c_void_p),
-        ("num_tokens", c_int64), ("top_k", c_int), ("num_experts", c_int), ("num_local_experts", c_int),
-        ("expert_offset", c_int), ("hidden", c_int), ("inter", c_int), ("weight_format", c_int),
-        ("pow2_act_scales", c_int), ("workspace", c_void_p),
-    ]
-
-
-class Lib:
-    def __init__(self, path: Path):
-        self.dll = ctypes.CDLL(str(path))
-        d = self.dll
-        d.dsa_last_error_message.restype = ctypes.c_char_p
-        d.dsa_fp8_block_linear_workspace_size.restype = c_size_t
-        d.dsa_fp8_block_linear_workspace_size.argtypes = [c_int64, c_int, c_int]
-        d.dsa_launch_fp8_block_linear.restype = c_int
-        d.dsa_launch_fp8_block_linear.argtypes = [POINTER(LinearParams), c_void_p]
-        d.dsa_moe_experts_workspace_size.restype = c_size_t
-        d.dsa_moe_experts_workspace_size.argtypes = [c_int64, c_int, c_int, c_int, c_int, c_int]
-        d.dsa_launch_moe_experts.restype = c_int
-        d.dsa_launch_moe_experts.argtypes = [POINTER(MoeParams), c_void_p]
-
-    def error(self) -> str:
-        return self.dll.dsa_last_error_message().decode()
-
-    def stream(self) -> c_void_p:
-        return c_void_p(torch.cuda.current_stream().cuda_stream)
-
-
 @pytest.fixture(scope="module")
-def lib() -> Lib:
-    path = Path(os.environ.get("DSA_KERNEL_LIB", ROOT / "build" / "libdsa_kernels.so"))
+def lib() -> KernelLibrary:
+    path = library_path()
     assert path.exists(), f"{path} missing: build the kernel library first (make kernels)"
-    return Lib(path)
+    return KernelLibrary(path)
 
 
 def ptr(t: torch.Tensor | None) -> int | None:
@@ -110,7 +69,7 @@ def gen(seed: int) -> torch.Generator:
 
 
 # ---------------------------------------------------------------- launch helpers
-def run_linear(lib: Lib, x, w8, ws, pow2: bool, out_pad: int = 0, status_only: bool = False):
+def run_linear(lib: KernelLibrary, x, w8, ws, pow2: bool, out_pad: int = 0, status_only: bool = False):
     """x [T, K] bf16 (any row stride), w8 [N, K] e4m3, ws fp32 -> out [T, N] bf16 (a view of a
     [T, N + out_pad] buffer, so out_stride > N when out_pad > 0)."""
     t, k = x.shape
@@ -118,8 +77,8 @@ def run_linear(lib: Lib, x, w8, ws, pow2: bool, out_pad: int = 0, status_only: b
     out_buf = torch.full((t, n + out_pad), float("nan"), device=DEV, dtype=torch.bfloat16)
     wsz = lib.dll.dsa_fp8_block_linear_workspace_size(t, n, k)
     work = torch.empty(max(wsz, 16), device=DEV, dtype=torch.uint8)
-    p = LinearParams(ptr(x), ptr(w8), ptr(ws), ptr(out_buf), t, n, k, x.stride(0), out_buf.stride(0), int(pow2),
-                     ptr(work))
+    p = Fp8BlockLinearParams(ptr(x), ptr(w8), ptr(ws), ptr(out_buf), t, n, k, x.stride(0), out_buf.stride(0),
+                             int(pow2), ptr(work))
     status = lib.dll.dsa_launch_fp8_block_linear(ctypes.byref(p), lib.stream())
     if status_only:
         return status
@@ -143,10 +102,10 @@ class Moe:
 
     @property
     def fmt(self) -> int:
-        return MOE_BF16 if self.w13.dtype == torch.bfloat16 else FP8_BLOCK
+        return MOE_BF16 if self.w13.dtype == torch.bfloat16 else MOE_FP8_BLOCK
 
 
-def run_moe(lib: Lib, m: Moe, status_only: bool = False, **override):
+def run_moe(lib: KernelLibrary, m: Moe, status_only: bool = False, **override):
     t, k = m.ids.shape
     e, two_i, d = m.w13.shape
     i = two_i // 2
@@ -158,7 +117,7 @@ def run_moe(lib: Lib, m: Moe, status_only: bool = False, **override):
                   num_local_experts=e, expert_offset=m.offset, hidden=d, inter=i, weight_format=m.fmt,
                   pow2_act_scales=int(m.pow2), workspace=ptr(work))
     fields.update(override)
-    p = MoeParams(**fields)
+    p = MoeExpertsParams(**fields)
     status = lib.dll.dsa_launch_moe_experts(ctypes.byref(p), lib.stream())
     if status_only:
         return status
@@ -320,12 +279,12 @@ def test_linear_bad_input(lib):
     ws = torch.ones(1, 1, device=DEV)
     assert run_linear(lib, x, w8, ws, True, status_only=True) == ERR_UNSUPPORTED
     assert "k=100" in lib.error(), lib.error()
-    p = LinearParams(None, None, None, None, 4, 128, 128, 128, 128, 1, None)
+    p = Fp8BlockLinearParams(None, None, None, None, 4, 128, 128, 128, 128, 1, None)
     assert lib.dll.dsa_launch_fp8_block_linear(ctypes.byref(p), lib.stream()) == ERR_INVALID_ARG
     assert "NULL" in lib.error(), lib.error()
-    p = LinearParams(None, None, None, None, 4, 128, 128, 64, 128, 1, None)
+    p = Fp8BlockLinearParams(None, None, None, None, 4, 128, 128, 64, 128, 1, None)
     assert lib.dll.dsa_launch_fp8_block_linear(ctypes.byref(p), lib.stream()) == ERR_INVALID_ARG
-    p = LinearParams(None, None, None, None, -1, 128, 128, 128, 128, 1, None)
+    p = Fp8BlockLinearParams(None, None, None, None, -1, 128, 128, 128, 128, 1, None)
     assert lib.dll.dsa_launch_fp8_block_linear(ctypes.byref(p), lib.stream()) == ERR_INVALID_ARG
     assert "num_tokens=-1" in lib.error(), lib.error()
 
@@ -336,7 +295,7 @@ def moe_emul(m: Moe) -> tuple[torch.Tensor, torch.Tensor]:
     t, k = m.ids.shape
     e_local, two_i, d = m.w13.shape
     i = two_i // 2
-    fp8 = m.fmt == FP8_BLOCK
+    fp8 = m.fmt == MOE_FP8_BLOCK
     xd = act_quant_emul(m.x, m.pow2)[0] if fp8 else m.x.double()
     out = torch.zeros(t, d, device=DEV, dtype=torch.float64)
     mag = torch.zeros_like(out)
@@ -363,7 +322,7 @@ def moe_bound(want: torch.Tensor, mag: torch.Tensor) -> torch.Tensor:
     return 0.02 * mag + 2.0**-20 * want.square().mean().sqrt() + 1e-30
 
 
-def make_moe(seed, t, k, num_experts, e_local, offset, d, i, pow2, fmt=FP8_BLOCK, routing="uniform") -> Moe:
+def make_moe(seed, t, k, num_experts, e_local, offset, d, i, pow2, fmt=MOE_FP8_BLOCK, routing="uniform") -> Moe:
     g = gen(seed)
     x = torch.randn(t, d, generator=g, device=DEV).to(torch.bfloat16)
     # k distinct ids per token over all experts (most of them other ranks' when e_local < num_experts)
@@ -379,7 +338,7 @@ def make_moe(seed, t, k, num_experts, e_local, offset, d, i, pow2, fmt=FP8_BLOCK
         ids[::3, -1] = -1
         ids[1::3, -1] = num_experts + 5
     weights = torch.rand(t, k, generator=g, device=DEV) * 2.5 / k
-    if fmt == FP8_BLOCK:
+    if fmt == MOE_FP8_BLOCK:
         w13, s13 = random_fp8_weight((e_local, 2 * i, d), g, pow2, d)
         w2, s2 = random_fp8_weight((e_local, d, i), g, pow2, i)
     else:
@@ -456,7 +415,7 @@ def test_moe_bf16(lib, t):
     moe_case(lib, m, f"moe bf16 T={t}")
 
 
-@pytest.mark.parametrize("fmt", [FP8_BLOCK, MOE_BF16])
+@pytest.mark.parametrize("fmt", [MOE_FP8_BLOCK, MOE_BF16])
 def test_moe_deterministic(lib, fmt):
     m = make_moe(5, 513, 8, 64, 32, 16, 256, 128, pow2=True, fmt=fmt)
     a, b = run_moe(lib, m), run_moe(lib, m)

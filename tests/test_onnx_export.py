@@ -18,7 +18,6 @@ a plan built by the real builder against the AOTInductor engine.
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
@@ -44,8 +43,8 @@ from dsa_trt.export.program import build_network, export_program
 from dsa_trt.plugins.pools import allocate_pools
 from dsa_trt.runtime import tensorrt_engine
 from dsa_trt.runtime.step_inputs import StepInputs
+from tests.helpers.tensorrt import import_tensorrt, plugin_library_path
 
-REPO = Path(__file__).resolve().parents[1]
 PLUGINS = ("DsaMlaCacheWrite", "DsaIndexerKCacheWrite", "DsaIndexerLogits", "DsaTopkTranslate", "DsaSparseMla")
 PER_LAYER = Counter(PLUGINS)  # plugin nodes per decoder layer
 FIELDS = {  # PLUGINS.md: field -> ONNX attribute type
@@ -557,16 +556,10 @@ def test_whole_graph_with_reference_plugins(f32_graphs, ckpt):
 
 # ================================================================ TensorRT (where it is installed)
 def tensorrt_or_skip() -> None:
-    try:
-        import tensorrt as trt
-    except ImportError as e:
-        pytest.skip(f"`import tensorrt` fails ({e}): the TensorRT builder is not installable on the development "
-                    "machines; these tests run where it is (e.g. NGC containers)")
-    if not hasattr(trt, "Builder"):
-        pytest.skip("the `tensorrt` module found is not TensorRT's Python package (no trt.Builder)")
+    import_tensorrt()
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU (runs on the H200)")
-    lib = Path(os.environ.get("DSA_TRT_PLUGIN_LIB") or REPO / "build" / "libdsa_trt_plugins.so")
+    lib = plugin_library_path()
     if not lib.is_file():
         pytest.skip(f"{lib} not built: `make trt-plugins TENSORRT_ROOT=...` (plugins/tensorrt/PLUGINS.md)")
 

@@ -17,14 +17,11 @@ same bound as compiled-vs-eager in test_engine.py).
 from __future__ import annotations
 
 import dataclasses
-import os
-import socket
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from dsa_trt.engine_config import EngineConfig
 from dsa_trt.export.checkpoint import Checkpoint
@@ -32,6 +29,8 @@ from dsa_trt.export.program import build_network
 from dsa_trt.export.sharding import local_experts, shard_dim, shard_tensor
 from dsa_trt.plugins.pools import allocate_pools
 from dsa_trt.runtime.step_inputs import StepInputs
+
+from .helpers.ranks import join_group, rank_env, spawn
 
 TP = 2
 NUM_PAGES = 16
@@ -60,24 +59,6 @@ def _eager_forward(net):
         return net(*step.as_tuple(), *pools)
 
     return forward
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _join_group(rank: int, world: int, port: int) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)  # two ranks share the two cores
-
-
-def _spawn(fn, out_dir: Path, *args) -> list[dict]:
-    """Runs fn(rank, world, port, out_dir, *args) on TP processes; returns what each rank saved."""
-    mp.spawn(fn, args=(TP, _free_port(), str(out_dir), *args), nprocs=TP, join=True)
-    return [torch.load(out_dir / f"rank{r}.pt") for r in range(TP)]
 
 
 # ---------------------------------------------------------------- the sharding table
@@ -117,8 +98,7 @@ def test_tp_must_divide_the_split_dims(tiny_ckpt):
 
 # ---------------------------------------------------------------- eager TP=2 == TP=1
 def _eager_worker(rank, world, port, out_dir, ckpt_dir):
-    _join_group(rank, world, port)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    join_group(rank, world, port)
     ckpt = Checkpoint(ckpt_dir)
     result = {}
     for mode in ("fp32", "fp8"):
@@ -149,7 +129,7 @@ def _compare(got: list[torch.Tensor], want: list[torch.Tensor], tol: float, what
 
 
 def test_eager_tp2_equals_tp1(tiny_ckpt, tp1_logits, tmp_path):
-    results = _spawn(_eager_worker, tmp_path, str(tiny_ckpt))
+    results = spawn(_eager_worker, TP, tmp_path, str(tiny_ckpt))
     for mode in ("fp32", "fp8"):
         for rank, res in enumerate(results):
             err = _compare(res[mode], tp1_logits[mode], TOL[mode], f"eager {mode} rank {rank}")
@@ -163,7 +143,7 @@ def _compiled_worker(rank, world, port, out_dir, engine_dir):
     from dsa_trt.runtime.llm import LLM
     from dsa_trt.runtime.sampling import SamplingParams
 
-    _join_group(rank, world, port)
+    rank_env(rank, world, port)  # run_tensor_parallel joins the group
 
     def rank0(engine):
         cfg = engine.config
@@ -189,7 +169,7 @@ def test_compiled_tp2_engine_equals_tp1(tiny_ckpt, tp1_logits, tmp_path_factory)
     assert cfg.tp_size == TP
     assert all((engine_dir / cfg.rank_file(r)).is_file() for r in range(TP))
 
-    rank0, rank1 = _spawn(_compiled_worker, engine_dir.parent, str(engine_dir))
+    rank0, rank1 = spawn(_compiled_worker, TP, engine_dir.parent, str(engine_dir))
     assert rank1 == {}
     err = _compare(rank0["logits"], tp1_logits["fp32"], TOL["fp32"], "compiled TP=2")
     print(f"[compiled TP={TP}] fp32 caches: max |logit diff| vs TP=1 {err:.2e}")

@@ -33,6 +33,7 @@ import torch
 
 from dsa_trt.plugins import reference as ref
 from dsa_trt.plugins.ops import PLUGIN_NAMES
+from tests.helpers.tensorrt import import_tensorrt, plugin_library_path
 
 REPO = Path(__file__).resolve().parents[1]
 PLUGIN_DIR = REPO / "plugins" / "tensorrt"
@@ -106,20 +107,9 @@ def test_plugin_table_matches_ops():
 
 
 # ================================================================ (b) one-operator engines
-def import_tensorrt():
-    try:
-        import tensorrt as trt
-    except ImportError as e:
-        pytest.skip(f"`import tensorrt` fails ({e}): the full TensorRT builder is not installable "
-                    "here; these engine tests run on machines with TensorRT (e.g. NGC containers)")
-    if not hasattr(trt, "Builder"):
-        pytest.skip("the `tensorrt` module found is not TensorRT's Python package (no trt.Builder)")
-    return trt
-
-
 def plugin_library() -> Path:
     """build/libdsa_trt_plugins.so ($DSA_TRT_PLUGIN_LIB overrides), built here when headers exist."""
-    lib = Path(os.environ.get("DSA_TRT_PLUGIN_LIB") or REPO / "build" / "libdsa_trt_plugins.so")
+    lib = plugin_library_path()
     if lib.is_file():
         return lib
     include = tensorrt_include()

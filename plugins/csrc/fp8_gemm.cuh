@@ -30,8 +30,9 @@
 
 #include "common.cuh"
 #include "dsa_moe_kernels.h"
-#include "fp8_wgmma_ss.cuh"
 #include "indexer_tile.cuh"
+#include "ptx.cuh"
+#include "wgmma.cuh"
 
 namespace dsa_fp8 {
 
@@ -40,6 +41,7 @@ using dsa_indexer::cp_async_commit;
 using dsa_indexer::cp_async_wait;
 using dsa_indexer::fence_operand;
 using dsa_indexer::make_desc_sw128;
+using dsa_ptx::fence_proxy_async;  // before the barrier: cp.async writes -> wgmma operand reads
 
 constexpr int kBlock = DSA_FP8_BLOCK;  // 128: K block and weight-scale block
 constexpr int kTileM = 128;            // weight rows per CTA
@@ -151,8 +153,30 @@ __device__ __forceinline__ void cp_async_16_zfill(uint32_t dst, const void* src,
 __device__ __forceinline__ void cp_async_4_zfill(uint32_t dst, const void* src, uint32_t src_bytes) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
 }
-// cp.async writes (generic proxy) -> wgmma operand reads (async proxy), before the barrier
-__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// The fp32 promotion of one K block, total += acc * scale, on wgmma's m64nN accumulator layout:
+// acc[4j + {0,1}] are row r, columns 8j + 2c + {0,1}; acc[4j + {2,3}] row r + 8, the same columns.
+// promote_by_row: one scale per row (s_lo for row r, s_hi for row r + 8), every j.
+template <int R>
+__device__ __forceinline__ void promote_by_row(float (&total)[R], const float (&acc)[R], float s_lo, float s_hi) {
+#pragma unroll
+  for (int j = 0; j < R / 4; ++j) {
+    total[4 * j + 0] = fmaf(acc[4 * j + 0], s_lo, total[4 * j + 0]);
+    total[4 * j + 1] = fmaf(acc[4 * j + 1], s_lo, total[4 * j + 1]);
+    total[4 * j + 2] = fmaf(acc[4 * j + 2], s_hi, total[4 * j + 2]);
+    total[4 * j + 3] = fmaf(acc[4 * j + 3], s_hi, total[4 * j + 3]);
+  }
+}
+
+// promote_by_column: group j only, one scale per column (s_even for 8j + 2c, s_odd for 8j + 2c + 1).
+template <int R>
+__device__ __forceinline__ void promote_by_column(float (&total)[R], const float (&acc)[R], int j, float s_even,
+                                                  float s_odd) {
+  total[4 * j + 0] = fmaf(acc[4 * j + 0], s_even, total[4 * j + 0]);
+  total[4 * j + 1] = fmaf(acc[4 * j + 1], s_odd, total[4 * j + 1]);
+  total[4 * j + 2] = fmaf(acc[4 * j + 2], s_even, total[4 * j + 2]);
+  total[4 * j + 3] = fmaf(acc[4 * j + 3], s_odd, total[4 * j + 3]);
+}
 
 // One CTA's tile: weight rows [128 m_tile, +128) of expert `expert` against output rows
 // [row_begin, row_end) (at most BN), K blocks [kb_begin, kb_end). kF32Out: fp32 partials of split
@@ -233,10 +257,7 @@ __device__ __forceinline__ void gemm_tile(const GemmArgs& g, uint8_t* smem, int 
 #pragma unroll
     for (int j = 0; j < BN / 2; ++j) fence_operand(acc[j]);
     dsa_wgmma::wgmma_fence();
-    dsa_fp8_mma::SS<BN>::run(acc, da + 0, db + 0, 0);  // k32 steps: +32 bytes = +2 in descriptor units
-    dsa_fp8_mma::SS<BN>::run(acc, da + 2, db + 2, 1);
-    dsa_fp8_mma::SS<BN>::run(acc, da + 4, db + 4, 1);
-    dsa_fp8_mma::SS<BN>::run(acc, da + 6, db + 6, 1);
+    dsa_wgmma::ss_k128<BN>(acc, da, db);
     dsa_wgmma::wgmma_commit();
     dsa_wgmma::wgmma_wait<0>();
 #pragma unroll
@@ -248,11 +269,7 @@ __device__ __forceinline__ void gemm_tile(const GemmArgs& g, uint8_t* smem, int 
 #pragma unroll
     for (int j = 0; j < BN / 8; ++j) {
       const float2 s2 = *reinterpret_cast<const float2*>(sx + 8 * j + 2 * c);
-      const float s0 = sw * s2.x, s1 = sw * s2.y;
-      total[4 * j + 0] = fmaf(acc[4 * j + 0], s0, total[4 * j + 0]);
-      total[4 * j + 1] = fmaf(acc[4 * j + 1], s1, total[4 * j + 1]);
-      total[4 * j + 2] = fmaf(acc[4 * j + 2], s0, total[4 * j + 2]);
-      total[4 * j + 3] = fmaf(acc[4 * j + 3], s1, total[4 * j + 3]);
+      promote_by_column(total, acc, j, sw * s2.x, sw * s2.y);
     }
   }
 

@@ -70,6 +70,10 @@ namespace dsa_fp8_ws {
 using dsa_fp8::float_to_bf16_bits;
 using dsa_fp8::kBlock;
 using dsa_fp8::kTileM;
+using dsa_ptx::named_bar_sync;
+using dsa_ptx::setmaxnreg_dec;
+using dsa_ptx::setmaxnreg_inc;
+using dsa_ptx::smem_u32;
 
 constexpr int kThreads = 384;      // producer warpgroup + two consumer warpgroups
 constexpr int kGroupW = 8;         // weight tiles per raster group
@@ -112,9 +116,6 @@ struct WsTile {
 };
 
 // ---------------------------------------------------------------- PTX
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
 __device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
 }
@@ -178,17 +179,6 @@ __device__ __forceinline__ void cluster_sync() {
 }
 __device__ __forceinline__ void tma_prefetch_desc(const CUtensorMap* map) {
   asm volatile("prefetch.tensormap [%0];" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
-}
-__device__ __forceinline__ void named_bar_sync(uint32_t id, uint32_t threads) {
-  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
-}
-template <uint32_t kRegs>
-__device__ __forceinline__ void setmaxnreg_inc() {
-  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs));
-}
-template <uint32_t kRegs>
-__device__ __forceinline__ void setmaxnreg_dec() {
-  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs));
 }
 
 // ---------------------------------------------------------------- work units
@@ -319,10 +309,7 @@ __device__ __forceinline__ void consumer(const WsArgs& g, uint8_t* smem, uint32_
 #pragma unroll
         for (int j = 0; j < R; ++j) dsa_fp8::fence_operand(a[j]);
         dsa_wgmma::wgmma_fence();
-        dsa_fp8_mma::SS<kTileM>::run(a, da + 0, db + 0, 0);
-        dsa_fp8_mma::SS<kTileM>::run(a, da + 2, db + 2, 1);
-        dsa_fp8_mma::SS<kTileM>::run(a, da + 4, db + 4, 1);
-        dsa_fp8_mma::SS<kTileM>::run(a, da + 6, db + 6, 1);
+        dsa_wgmma::ss_k128<kTileM>(a, da, db);
         dsa_wgmma::wgmma_commit();
         return sw;
       };
@@ -333,13 +320,7 @@ __device__ __forceinline__ void consumer(const WsArgs& g, uint8_t* smem, uint32_
         const float* sx = reinterpret_cast<const float*>(smem + stage * L::kStage + L::kW + L::kX);
         const float s0 = sw * sx[r_lo], s1 = sw * sx[r_lo + 8];
         release(stage);
-#pragma unroll
-        for (int j = 0; j < R / 4; ++j) {
-          total[4 * j + 0] = fmaf(a[4 * j + 0], s0, total[4 * j + 0]);
-          total[4 * j + 1] = fmaf(a[4 * j + 1], s0, total[4 * j + 1]);
-          total[4 * j + 2] = fmaf(a[4 * j + 2], s1, total[4 * j + 2]);
-          total[4 * j + 3] = fmaf(a[4 * j + 3], s1, total[4 * j + 3]);
-        }
+        dsa_fp8::promote_by_row(total, a, s0, s1);
       };
       auto advance = [&] {
         if (++s == S) {
@@ -389,10 +370,7 @@ __device__ __forceinline__ void consumer(const WsArgs& g, uint8_t* smem, uint32_
       for (int j = 0; j < R; ++j) dsa_fp8::fence_operand(acc[j]);
       dsa_wgmma::wgmma_fence();
       constexpr int kN = kSwap ? BT : kTileM;
-      dsa_fp8_mma::SS<kN>::run(acc, da + 0, db + 0, 0);  // k32 steps: +32 bytes = +2 in descriptor units
-      dsa_fp8_mma::SS<kN>::run(acc, da + 2, db + 2, 1);
-      dsa_fp8_mma::SS<kN>::run(acc, da + 4, db + 4, 1);
-      dsa_fp8_mma::SS<kN>::run(acc, da + 6, db + 6, 1);
+      dsa_wgmma::ss_k128<kN>(acc, da, db);
       dsa_wgmma::wgmma_commit();
       dsa_wgmma::wgmma_wait<0>();
 #pragma unroll
@@ -405,23 +383,11 @@ __device__ __forceinline__ void consumer(const WsArgs& g, uint8_t* smem, uint32_
         for (int j = 0; j < BT / 8; ++j) s2[j] = *reinterpret_cast<const float2*>(sx + 8 * j + 2 * quad);
         release(s);
 #pragma unroll
-        for (int j = 0; j < BT / 8; ++j) {
-          const float s0 = sw * s2[j].x, s1 = sw * s2[j].y;
-          total[4 * j + 0] = fmaf(acc[4 * j + 0], s0, total[4 * j + 0]);
-          total[4 * j + 1] = fmaf(acc[4 * j + 1], s1, total[4 * j + 1]);
-          total[4 * j + 2] = fmaf(acc[4 * j + 2], s0, total[4 * j + 2]);
-          total[4 * j + 3] = fmaf(acc[4 * j + 3], s1, total[4 * j + 3]);
-        }
+        for (int j = 0; j < BT / 8; ++j) dsa_fp8::promote_by_column(total, acc, j, sw * s2[j].x, sw * s2[j].y);
       } else {
         const float s0 = sw * sx[r_lo], s1 = sw * sx[r_lo + 8];
         release(s);
-#pragma unroll
-        for (int j = 0; j < R / 4; ++j) {
-          total[4 * j + 0] = fmaf(acc[4 * j + 0], s0, total[4 * j + 0]);
-          total[4 * j + 1] = fmaf(acc[4 * j + 1], s0, total[4 * j + 1]);
-          total[4 * j + 2] = fmaf(acc[4 * j + 2], s1, total[4 * j + 2]);
-          total[4 * j + 3] = fmaf(acc[4 * j + 3], s1, total[4 * j + 3]);
-        }
+        dsa_fp8::promote_by_row(total, acc, s0, s1);
       }
       if (++s == S) {
         s = 0;

@@ -419,8 +419,7 @@ __global__ void __launch_bounds__(kGroupThreads, 1)
     if (lane == 0) ptx::mbar_arrive(&sm.empty[st]);
   };
   auto mma = [&](float (&d)[H], uint64_t kdesc, uint64_t qdesc) {
-#pragma unroll
-    for (int k = 0; k < 4; ++k) dsa_wgmma::SS<2 * H>::run(d, kdesc + 2 * k, qdesc + 2 * k, k);
+    dsa_wgmma::ss_k128<2 * H>(d, kdesc, qdesc);
     wgmma_commit();
   };
   float d0[H], d1[H];  // m64n(2H): pair 0, pair 1

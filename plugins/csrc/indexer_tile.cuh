@@ -198,6 +198,20 @@ __device__ __forceinline__ void load_head_weights(float (&wr)[H / 8][2], const f
   }
 }
 
+// The 4 k32 wgmmas of one page (its 128-element K row in the fragment f) against N = TT*H query
+// columns, fenced and committed (no wait); TT = 1: score_page's, TT >= 2: the token groups' below.
+template <int H, int TT>
+__device__ __forceinline__ void mma_page_group(float (&d)[TT * H / 2], const PageFrag& f, uint64_t desc) {
+#pragma unroll
+  for (int j = 0; j < TT * H / 2; ++j) fence_operand(d[j]);
+  wgmma_fence();
+  dsa_wgmma::RS<TT * H>::run(d, f.lo0.x, f.lo1.x, f.lo0.y, f.lo1.y, desc + 0, 0);
+  dsa_wgmma::RS<TT * H>::run(d, f.lo0.z, f.lo1.z, f.lo0.w, f.lo1.w, desc + 2, 1);
+  dsa_wgmma::RS<TT * H>::run(d, f.hi0.x, f.hi1.x, f.hi0.y, f.hi1.y, desc + 4, 1);
+  dsa_wgmma::RS<TT * H>::run(d, f.hi0.z, f.hi1.z, f.hi0.w, f.hi1.w, desc + 6, 1);
+  wgmma_commit();
+}
+
 // Scores of one page: returns, in lanes c < 2, sum_h w[h] * relu(q[h] . k[row]) * k_scale[row] for
 // row = score_row(wtid) (other lanes: a partial sum, unused). All 128 threads of the warpgroup
 // call it together (wgmma is warpgroup-wide). `d` is scratch the caller keeps across pages (no
@@ -205,14 +219,7 @@ __device__ __forceinline__ void load_head_weights(float (&wr)[H / 8][2], const f
 template <int H>
 __device__ __forceinline__ float score_page(float (&d)[H / 2], const PageFrag& f, uint64_t desc,
                                             const float (&wr)[H / 8][2], int wtid) {
-#pragma unroll
-  for (int j = 0; j < H / 2; ++j) fence_operand(d[j]);
-  wgmma_fence();
-  dsa_wgmma::RS<H>::run(d, f.lo0.x, f.lo1.x, f.lo0.y, f.lo1.y, desc + 0, 0);
-  dsa_wgmma::RS<H>::run(d, f.lo0.z, f.lo1.z, f.lo0.w, f.lo1.w, desc + 2, 1);
-  dsa_wgmma::RS<H>::run(d, f.hi0.x, f.hi1.x, f.hi0.y, f.hi1.y, desc + 4, 1);
-  dsa_wgmma::RS<H>::run(d, f.hi0.z, f.hi1.z, f.hi0.w, f.hi1.w, desc + 6, 1);
-  wgmma_commit();
+  mma_page_group<H, 1>(d, f, desc);
   wgmma_wait<0>();
 #pragma unroll
   for (int j = 0; j < H / 2; ++j) fence_operand(d[j]);
@@ -242,17 +249,6 @@ __device__ __forceinline__ float score_page(float (&d)[H / 2], const PageFrag& f
 // score_page when the tensor core's accumulation of an output element does not depend on N (the
 // tests check it). The first shuffle round exchanges rows (TT shuffles), the second tokens
 // (TT / 2): 3 shuffles for two tokens instead of 4 per token.
-template <int H, int TT>
-__device__ __forceinline__ void mma_page_group(float (&d)[TT * H / 2], const PageFrag& f, uint64_t desc) {
-#pragma unroll
-  for (int j = 0; j < TT * H / 2; ++j) fence_operand(d[j]);
-  wgmma_fence();
-  dsa_wgmma::RS<TT * H>::run(d, f.lo0.x, f.lo1.x, f.lo0.y, f.lo1.y, desc + 0, 0);
-  dsa_wgmma::RS<TT * H>::run(d, f.lo0.z, f.lo1.z, f.lo0.w, f.lo1.w, desc + 2, 1);
-  dsa_wgmma::RS<TT * H>::run(d, f.hi0.x, f.hi1.x, f.hi0.y, f.hi1.y, desc + 4, 1);
-  dsa_wgmma::RS<TT * H>::run(d, f.hi0.z, f.hi1.z, f.hi0.w, f.hi1.w, desc + 6, 1);
-  wgmma_commit();
-}
 template <int H, int TT>
 __device__ __forceinline__ void reduce_page_group(float (&d)[TT * H / 2], float scale,
                                                   const float (&wr)[TT][H / 8][2], int wtid,

@@ -9,11 +9,6 @@ namespace dsa_trt
 namespace
 {
 
-int64_t blocks(int64_t n)
-{
-    return (n + DSA_FP8_BLOCK - 1) / DSA_FP8_BLOCK;
-}
-
 class Fp8BlockLinearPlugin : public PluginBase<Fp8BlockLinearPlugin>
 {
 public:
@@ -76,12 +71,12 @@ public:
         if (w.d[0] >= 0)
         {
             expectInt32(w.d[0], "weight rows N");
-            expectDim(in[kWeightScale].dims, 0, blocks(w.d[0]), "weight_scale");
+            expectDim(in[kWeightScale].dims, 0, fp8Blocks(w.d[0]), "weight_scale");
         }
         if (w.d[1] >= 0)
         {
             expectInt32(w.d[1], "weight columns K");
-            expectDim(in[kWeightScale].dims, 1, blocks(w.d[1]), "weight_scale");
+            expectDim(in[kWeightScale].dims, 1, fp8Blocks(w.d[1]), "weight_scale");
         }
     }
 

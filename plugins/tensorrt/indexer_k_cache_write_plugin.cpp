@@ -8,7 +8,7 @@ namespace dsa_trt
 namespace
 {
 
-class IndexerKCacheWritePlugin : public PluginBase<IndexerKCacheWritePlugin, nv::IPluginV3OneBuildV2>
+class IndexerKCacheWritePlugin : public PoolWritePlugin<IndexerKCacheWritePlugin>
 {
 public:
     enum Input : int32_t
@@ -17,7 +17,7 @@ public:
         kSlotMapping = 1, // [T] int64, -1 = skip
         kPool = 2,        // fp8 [P, 8448] bytes; bf16 [P, 64, 128]
     };
-    static constexpr int32_t kPoolOut = 0; // aliases kPool
+    // output kPoolOut = 0 aliases kPool (PoolWritePlugin)
 
     static constexpr char kName[] = "DsaIndexerKCacheWrite";
     static constexpr FieldSpec kFields[] = {{"cache_format", FieldKind::kInt}};
@@ -27,11 +27,6 @@ public:
     explicit IndexerKCacheWritePlugin(FieldValues const& f)
         : mCacheFormat(f.cacheFormat())
     {
-    }
-
-    int32_t getAliasedInput(int32_t outputIndex) noexcept override
-    {
-        return outputIndex == kPoolOut ? kPool : -1;
     }
 
     void serialize(SerialFields& s) const
@@ -49,16 +44,6 @@ public:
         case kPool: return isPoolType(mCacheFormat, t);
         default: return t == io[kPool].desc.type; // the aliased pool
         }
-    }
-
-    void outputTypes(nv::DataType* out, nv::DataType const* in) const
-    {
-        out[kPoolOut] = in[kPool];
-    }
-
-    void outputShapes(nv::DimsExprs const* in, nv::DimsExprs* out, nv::IExprBuilder& /*eb*/) const
-    {
-        out[kPoolOut] = in[kPool];
     }
 
     void checkShapes(nv::PluginTensorDesc const* in, nv::PluginTensorDesc const* /*out*/) const

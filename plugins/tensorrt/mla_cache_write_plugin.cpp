@@ -10,7 +10,7 @@ namespace
 
 constexpr int64_t kRopeDim = DSA_MLA_DIM - DSA_MLA_V_DIM; // 64
 
-class MlaCacheWritePlugin : public PluginBase<MlaCacheWritePlugin, nv::IPluginV3OneBuildV2>
+class MlaCacheWritePlugin : public PoolWritePlugin<MlaCacheWritePlugin>
 {
 public:
     enum Input : int32_t
@@ -20,7 +20,7 @@ public:
         kSlotMapping = 2, // [T] int64, -1 = skip
         kPool = 3,        // [P, 64, 576] bytes (fp8) or bf16
     };
-    static constexpr int32_t kPoolOut = 0; // aliases kPool
+    // output kPoolOut = 0 aliases kPool (PoolWritePlugin)
 
     static constexpr char kName[] = "DsaMlaCacheWrite";
     static constexpr FieldSpec kFields[] = {{"kv_scale", FieldKind::kFloat}, {"cache_format", FieldKind::kInt}};
@@ -31,11 +31,6 @@ public:
         : mKvScale(f.positiveFloat("kv_scale"))
         , mCacheFormat(f.cacheFormat())
     {
-    }
-
-    int32_t getAliasedInput(int32_t outputIndex) noexcept override
-    {
-        return outputIndex == kPoolOut ? kPool : -1;
     }
 
     void serialize(SerialFields& s) const
@@ -55,16 +50,6 @@ public:
         case kPool: return isPoolType(mCacheFormat, t);
         default: return t == io[kPool].desc.type; // the aliased pool
         }
-    }
-
-    void outputTypes(nv::DataType* out, nv::DataType const* in) const
-    {
-        out[kPoolOut] = in[kPool];
-    }
-
-    void outputShapes(nv::DimsExprs const* in, nv::DimsExprs* out, nv::IExprBuilder& /*eb*/) const
-    {
-        out[kPoolOut] = in[kPool];
     }
 
     void checkShapes(nv::PluginTensorDesc const* in, nv::PluginTensorDesc const* /*out*/) const

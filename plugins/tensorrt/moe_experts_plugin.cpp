@@ -12,11 +12,6 @@ namespace dsa_trt
 namespace
 {
 
-int64_t blocks(int64_t n)
-{
-    return (n + DSA_FP8_BLOCK - 1) / DSA_FP8_BLOCK;
-}
-
 constexpr int32_t kMaxExperts = 1 << 16;
 
 class MoeExpertsPlugin : public PluginBase<MoeExpertsPlugin>
@@ -173,7 +168,7 @@ private:
         expectSameDim(scale, 0, name, w, 0, name[1] == '1' ? "w13" : "w2");
         for (int32_t i = 1; i < 3; ++i)
             if (w.d[i] >= 0)
-                expectDim(scale, i, blocks(w.d[i]), name);
+                expectDim(scale, i, fp8Blocks(w.d[i]), name);
     }
 
     int32_t mNumExperts;   // global routed expert count (256 for V3.2)

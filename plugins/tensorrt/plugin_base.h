@@ -1,5 +1,5 @@
-// DSA-TRT TensorRT plugins: the IPluginV3 boilerplate shared by the seven adapters (included by
-// plugin_common.h). Every TensorRT entry point is noexcept and turns a PluginError (or any
+// DSA-TRT TensorRT plugins: the IPluginV3 boilerplate shared by the seven adapters, and the aliasing
+// of the two in-place cache writes (included by plugin_common.h). Every TensorRT entry point is noexcept and turns a PluginError (or any
 // exception) into a logged message and a non-zero status.
 //
 // What Derived provides (plain members, free to throw PluginError):
@@ -208,6 +208,31 @@ private:
     }
 
     SerialFields mSerial;
+};
+
+// The in-place cache writes (DsaMlaCacheWrite, DsaIndexerKCacheWrite): their one output is the pool
+// input Derived::kPool itself, same dtype, same shape, same buffer (IPluginV3OneBuildV2 aliasing).
+// Derived provides the rest of PluginBase's list (outputTypes and outputShapes come from here).
+template <class Derived>
+class PoolWritePlugin : public PluginBase<Derived, nv::IPluginV3OneBuildV2>
+{
+public:
+    static constexpr int32_t kPoolOut = 0; // aliases Derived::kPool
+
+    int32_t getAliasedInput(int32_t outputIndex) noexcept override
+    {
+        return outputIndex == kPoolOut ? Derived::kPool : -1;
+    }
+
+    void outputTypes(nv::DataType* out, nv::DataType const* in) const
+    {
+        out[kPoolOut] = in[Derived::kPool];
+    }
+
+    void outputShapes(nv::DimsExprs const* in, nv::DimsExprs* out, nv::IExprBuilder& /*eb*/) const
+    {
+        out[kPoolOut] = in[Derived::kPool];
+    }
 };
 
 template <class Plugin>

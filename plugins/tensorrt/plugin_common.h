@@ -8,6 +8,8 @@
 //                                Implements every TensorRT entry point as noexcept and catches;
 //                                Derived supplies the op-specific parts as plain member functions
 //                                that may throw PluginError (see "What Derived provides" below).
+//   PoolWritePlugin<Derived>     PluginBase over OneBuildV2 for the in-place cache writes: output 0
+//                                is input Derived::kPool (aliased buffer, same dtype and shape).
 //   PluginCreator<Plugin>        IPluginCreatorV3One of one plugin: field names, createPlugin.
 //   FieldValues                  the scalar fields of a PluginFieldCollection, ONNX ints arriving as
 //                                kINT32 or kINT64, floats as kFLOAT32 or kFLOAT64; length checked.
@@ -128,6 +130,12 @@ void expectDim(nv::Dims const& d, int32_t i, int64_t value, char const* tensor);
 void expectSameDim(nv::Dims const& a, int32_t ai, char const* ta, nv::Dims const& b, int32_t bi, char const* tb);
 // Products that the kernels index with int32 (slot ids, page table entries) must fit int32.
 void expectInt32(int64_t value, char const* what);
+
+// 128-wide blocks of an fp8 weight extent (the scale tensors' extents): ceil(n / 128).
+inline int64_t fp8Blocks(int64_t n)
+{
+    return (n + DSA_FP8_BLOCK - 1) / DSA_FP8_BLOCK;
+}
 
 // The two pools (docs/architecture.md §5), checked against their cache format and declared dtype:
 //   MLA pool      fp8 [P, 64, 576 bytes]      bf16 [P, 64, 576]

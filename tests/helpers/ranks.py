@@ -17,12 +17,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def join_group(rank: int, world: int, port: int, backend: str = "gloo") -> None:
-    """This process joins a ``backend`` group of ``world`` ranks (the env torchrun would set);
-    nccl: GPU ``rank``, NVLink multicast off (the launcher's environment, runtime/distributed.py)."""
+def rank_env(rank: int, world: int, port: int) -> None:
+    """The environment torchrun would give this rank (for code that joins the group itself, e.g.
+    runtime/distributed.py), and one intra-op thread: the ranks share the machine's cores."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)  # the ranks share the machine's cores
+    torch.set_num_threads(1)
+
+
+def join_group(rank: int, world: int, port: int, backend: str = "gloo") -> None:
+    """This process joins a ``backend`` group of ``world`` ranks (rank_env's environment);
+    nccl: GPU ``rank``, NVLink multicast off (the launcher's environment, runtime/distributed.py)."""
+    rank_env(rank, world, port)
     if backend == "nccl":
         os.environ["NCCL_NVLS_ENABLE"] = "0"
         torch.cuda.set_device(rank)
