@@ -221,16 +221,17 @@ def _build(argv: list[str]) -> tuple[int, str, str]:
 
 
 @pytest.fixture(scope="module")
-def bf16_engine(tiny_ckpt, tmp_path_factory) -> tuple[Path, str]:
-    """The builder's defaults on the tiny fp8 checkpoint at --dtype bfloat16 (CPU, AOTInductor)."""
+def bf16_engine(trained, tmp_path_factory) -> tuple[Path, str]:
+    """The builder's defaults on the trained tiny fp8 checkpoint (`make engine`'s) at --dtype
+    bfloat16 (CPU, AOTInductor)."""
     out = tmp_path_factory.mktemp("engines") / "tiny-bf16"
-    rc, log, err = _build(["--checkpoint", str(tiny_ckpt), "--out", str(out), "--cache", "bf16",
+    rc, log, err = _build(["--checkpoint", str(trained[0]), "--out", str(out), "--cache", "bf16",
                            "--compiler", "aoti", "--device", "cpu", "--dtype", "bfloat16"])
     assert rc == 0, err
     return out, log
 
 
-def test_builder_default_keeps_fp8_at_bf16(bf16_engine, tiny_ckpt):
+def test_builder_default_keeps_fp8_at_bf16(bf16_engine, trained):
     from dsa_trt.engine_config import EngineConfig
     from tests.helpers.engine_checks import teacher_forced_greedy
 
@@ -249,7 +250,7 @@ def test_builder_default_keeps_fp8_at_bf16(bf16_engine, tiny_ckpt):
     assert dtypes["model.layers.1.mlp.stacked_experts.w13_scale"] == "F32"
     assert dtypes["model.layers.0.self_attn.kv_b_proj.weight"] == "BF16"  # read as a matrix: dequantised
     # it generates like its eager fp8 network (compiled vs eager, teacher-forced greedy)
-    totals = teacher_forced_greedy(out, tiny_ckpt, "cpu", torch.bfloat16, steps_per_prompt=8)
+    totals = teacher_forced_greedy(out, trained[0], "cpu", torch.bfloat16, steps_per_prompt=8)
     print(f"[w8a8] bf16 fp8 engine vs eager: {totals}")
     assert totals["same"] >= totals["steps"] * 7 // 8
 
