@@ -3,7 +3,7 @@
     python benchmarks/bench_realdims.py [--checkpoint DIR] [--layers 4] [--experts 256] [--quick]
 
 The network: DSAForCausalLM with V3.2's real per-layer dims (export/real_dims.py), bf16 activations,
-fp8 caches, every e4m3 Linear kept W8A8 (fp8_linears) and the routed experts as one
+fp8 caches, every e4m3 Linear kept W8A8 (weight_format="fp8") and the routed experts as one
 dsa::moe_experts call (expert_op). ``--checkpoint`` loads a generated real-dims checkpoint with
 build_network (``python -m dsa_trt.export.tiny_checkpoint OUT --preset v32-real-dims --layers 4
 --experts 256``); without it the same modules get random weights on the device (e4m3 values with
@@ -89,7 +89,7 @@ def real_config(layers: int, experts: int, vocab: int) -> ModelConfig:
 def random_network(cfg: ModelConfig, device: str) -> DSAForCausalLM:
     """The real-dims network with random weights made on the device (see the module docstring)."""
     with torch.device("meta"):
-        net = DSAForCausalLM(cfg, cache_mode="fp8", dtype=torch.bfloat16, expert_op=True, fp8_linears=True)
+        net = DSAForCausalLM(cfg, cache_mode="fp8", dtype=torch.bfloat16, expert_op=True, weight_format="fp8")
     gen = torch.Generator(device=device).manual_seed(0)
     state = {}
     for name, p in net.state_dict().items():
@@ -117,7 +117,7 @@ def checkpoint_network(path: str, device: str) -> DSAForCausalLM:
     from dsa_trt.export.checkpoint import Checkpoint
     from dsa_trt.export.program import build_network
 
-    return build_network(Checkpoint(path), "fp8", torch.bfloat16, device=device, expert_op=True, fp8_linears=True)
+    return build_network(Checkpoint(path), "fp8", torch.bfloat16, device=device, expert_op=True, weight_format="fp8")
 
 
 # ------------------------------------------------------------------------------------------ timing

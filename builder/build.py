@@ -27,7 +27,7 @@ from dsa_trt.calibration.modelopt_kv import CalibrationError, KVCalibration, cal
 from dsa_trt.config import ConfigError
 from dsa_trt.engine_config import EngineConfig, write_manifest
 from dsa_trt.export.checkpoint import Checkpoint, CheckpointError
-from dsa_trt.export.program import build_network, export_program
+from dsa_trt.export.program import build_network, export_program, network_skeleton
 from dsa_trt.export.sharding import check_tp
 from dsa_trt.plan import check_fits
 from dsa_trt.tokenizer import Tokenizer
@@ -109,21 +109,24 @@ def compile_onnx_program(onnx_ep, out: Path, name: str, compiler: str, profile, 
 
 
 def compile_draft_program(ckpt: Checkpoint, cfg: EngineConfig, out: Path, rank: int, device: str,
-                          dtype: torch.dtype, emit_onnx: bool, profile, plugin_lib) -> None:
-    """The MTP layer of rank ``rank`` -> its draft program ``rank<r>.mtp.*`` (export/mtp.py).
+                          dtype: torch.dtype, emit_onnx: bool, profile, plugin_lib,
+                          expert_op: bool | None = None) -> None:
+    """The MTP layer of rank ``rank`` -> its draft program ``rank<r>.mtp.*`` (export/mtp.py), with
+    the engine's weight format.
 
     Its MLA cache scale is the largest main-layer scale: the layer is not calibrated on its own. A
     scale only changes draft quality, never the output (speculative decoding verifies every token)."""
     from dsa_trt.export.mtp import build_mtp_network, export_mtp_program
 
     kv_scale = max(cfg.kv_scales)
+    options = {"expert_op": expert_op, "weight_format": cfg.weight_format}
     net = build_mtp_network(ckpt, cfg.cache_mode, dtype, kv_scale, device=device, tp_rank=rank, tp_size=cfg.tp_size,
-                            progress=_bar(f"load MTP rank {rank}", unit="tensor"))
+                            progress=_bar(f"load MTP rank {rank}", unit="tensor"), **options)
     ep = export_mtp_program(net, max_num_tokens=cfg.max_num_tokens, device=device)
     onnx_ep = ep
     if emit_onnx and dtype != torch.bfloat16:
         onnx_ep = export_mtp_program(build_mtp_network(ckpt, cfg.cache_mode, torch.bfloat16, kv_scale, device=device,
-                                                       tp_rank=rank, tp_size=cfg.tp_size),
+                                                       tp_rank=rank, tp_size=cfg.tp_size, **options),
                                      max_num_tokens=cfg.max_num_tokens, device=device)
     name = cfg.draft_file(rank)
     if cfg.compiler == "tensorrt" or emit_onnx:
@@ -140,9 +143,11 @@ def build_engine(checkpoint: str | Path, out: str | Path, tp: int = 1, cache_mod
                  calib_file: str | Path | None = None, max_num_tokens: int = 8192,
                  emit_onnx: bool = False, kv_calibration: str | Path | None = None,
                  gpu_memory_gb: float | None = None, expert_op: bool | None = None,
-                 fp8_linears: bool | None = None, mtp: bool = True) -> EngineConfig:
-    """``expert_op`` / ``fp8_linears``: build_network's options, passed on when given. ``mtp``: also
-    compile the checkpoint's MTP layer as the draft program rank<r>.mtp.* (when it has one)."""
+                 weight_format: str = "auto", mtp: bool = True) -> EngineConfig:
+    """``weight_format`` ("auto" | "fp8" | "dequant"; export/layers.py resolve_weight_format) and
+    ``expert_op`` (None: on for bf16): build_network's options, for every program of the engine.
+    ``mtp``: also compile the checkpoint's MTP layer as the draft program rank<r>.mtp.* (when it
+    has one)."""
     t0 = time.perf_counter()
     out = Path(out)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -171,6 +176,9 @@ def build_engine(checkpoint: str | Path, out: str | Path, tp: int = 1, cache_mod
         _log(f"plan fits: {plan.ranks[0].weight_bytes / 1e9:.1f} GB of weights per rank, "
              f"{plan.tokens_per_group:,} cache tokens in {gpu_memory_gb:g} GB", t0)
     _log(f"checkpoint {checkpoint}: {cfg.model_type}, {cfg.num_hidden_layers} layers, validated", t0)
+    torch_dtype = getattr(torch, dtype)
+    weight_format, dequantised = resolve_weights(ckpt, cache_mode, torch_dtype, tp, expert_op, weight_format,
+                                                 bool(mtp_layers))
 
     kv_scales = [1.0] * cfg.num_hidden_layers
     out.mkdir(parents=True, exist_ok=True)
@@ -188,11 +196,11 @@ def build_engine(checkpoint: str | Path, out: str | Path, tp: int = 1, cache_mod
         artifact = cal.save(out / "quant")
         _log(f"{how} -> {artifact.relative_to(out)}: MLA cache scales {[f'{s:.3g}' for s in kv_scales]}", t0)
 
-    torch_dtype = getattr(torch, dtype)
     cfg_out = EngineConfig(
         model=cfg, cache_mode=cache_mode, dtype=dtype, device=device, compiler=compiler, tp_size=tp,
         max_num_tokens=max_num_tokens, kv_scales=kv_scales, quant_recipe=KV_RECIPE if cache_mode == "fp8" else None,
         versions={"torch": torch.__version__, "python": sys.version.split()[0]}, mtp_layers=mtp_layers,
+        weight_format=weight_format,
     )
     profile = plugin_lib = None
     rank_stats: list[dict] = []
@@ -202,7 +210,7 @@ def build_engine(checkpoint: str | Path, out: str | Path, tp: int = 1, cache_mod
         cfg_out.plugin_library = install_plugin_library(out)
         plugin_lib = out / cfg_out.plugin_library
         profile = Profile.from_limits(cfg_out.max_num_tokens, cfg_out.max_batch, cfg_out.max_pages_per_seq)
-    net_options = {k: v for k, v in (("expert_op", expert_op), ("fp8_linears", fp8_linears)) if v is not None}
+    net_options = {"expert_op": expert_op, "weight_format": weight_format}
     if compiler == "aoti":
         cfg_out.weights = "safetensors"  # rank<N>.weights.safetensors beside each program (dsa_trt/weights_file.py)
     for rank in range(tp):
@@ -232,7 +240,8 @@ def build_engine(checkpoint: str | Path, out: str | Path, tp: int = 1, cache_mod
         rank_stats.append(stats)
         _log(f"rank {rank}: peak RSS {rss.peak / 2**30:.2f} GiB (from {rss.start / 2**30:.2f} GiB)", t0)
         if mtp_layers:
-            compile_draft_program(ckpt, cfg_out, out, rank, device, torch_dtype, emit_onnx, profile, plugin_lib)
+            compile_draft_program(ckpt, cfg_out, out, rank, device, torch_dtype, emit_onnx, profile, plugin_lib,
+                                  expert_op)
     for f in TOKENIZER_FILES:
         src = Path(checkpoint) / f
         if src.is_file():
@@ -240,16 +249,61 @@ def build_engine(checkpoint: str | Path, out: str | Path, tp: int = 1, cache_mod
     cfg_out.save(out)
     write_manifest(out, cfg_out)  # last: the sha256 of every file and the config the programs were built from
     _log(f"engine -> {out}", t0)
-    print(build_summary(out, cfg_out, rank_stats), flush=True)
+    print(build_summary(out, cfg_out, rank_stats, dequantised), flush=True)
     return cfg_out
 
 
-def build_summary(out: Path, cfg: EngineConfig, rank_stats: list[dict] | None = None) -> str:
+def resolve_weights(ckpt: Checkpoint, cache_mode: str, dtype: torch.dtype, tp: int, expert_op: bool | None,
+                    weight_format: str, with_mtp: bool) -> tuple[str, list[str]]:
+    """(the engine's weight format, the e4m3 Linears it dequantises: tensor-parallel slices off the
+    128-block grid), from rank 0's skeletons (every rank's slices have the same widths). A weight
+    format the checkpoint, dtype or tp cannot take is a BuildError naming the fix."""
+    try:
+        net = network_skeleton(ckpt, cache_mode, dtype, 0, tp, expert_op, weight_format)
+        names = list(net.dequantised_linears)
+        if with_mtp:
+            from dsa_trt.export.mtp import MTPDraft
+
+            with torch.device("meta"):
+                names += MTPDraft(ckpt.config, cache_mode, dtype, 0, tp, expert_op, weight_format).dequantised_linears
+    except ValueError as e:
+        raise BuildError(str(e)) from None
+    return net.weight_format, names
+
+
+def _layer_patterns(names: list[str]) -> str:
+    """model.layers.1.mlp.x, model.layers.2.mlp.x -> model.layers.{1,2}.mlp.x (the summary's short form)."""
+    groups: dict[str, list[str]] = {}
+    for n in names:
+        parts = n.split(".")
+        if n.startswith("model.layers.") and len(parts) > 3:
+            groups.setdefault(".".join(["model.layers.*"] + parts[3:]), []).append(parts[2])
+        else:
+            groups.setdefault(n, [])
+    return ", ".join(k.replace("*", "{" + ",".join(v) + "}") if v else k for k, v in groups.items())
+
+
+def weights_summary(cfg: EngineConfig, dequantised: list[str] | None = None) -> list[str]:
+    if cfg.weight_format == "fp8":
+        what = "fp8: the checkpoint's e4m3 Linears (but kv_b) and routed experts kept with their 128x128 scales (W8A8)"
+    elif cfg.model.fp8_weight_block is not None:
+        what = f"dequant: the checkpoint's e4m3 weights dequantised to {cfg.dtype}"
+    else:
+        what = f"dequant: a bf16 checkpoint, {cfg.dtype} weights"
+    lines = [f"  weights     {what}"]
+    if dequantised:
+        lines.append(f"  dequantised {len(dequantised)} e4m3 linear(s) whose tp={cfg.tp_size} slice is off the "
+                     f"128-block grid: {_layer_patterns(dequantised)}")
+    return lines
+
+
+def build_summary(out: Path, cfg: EngineConfig, rank_stats: list[dict] | None = None,
+                  dequantised: list[str] | None = None) -> str:
     """The closing table: ranks with their program and weight sizes and the build's peak host
-    memory, cache bytes per token, tokens per GiB."""
+    memory, the weight format, cache bytes per token, tokens per GiB."""
     bpt = cfg.cache_bytes_per_token
     lines = [f"  engine      {out}  ({cfg.model.model_type}, {cfg.compiler} on {cfg.device}, {cfg.dtype}, "
-             f"cache {cfg.cache_mode})"]
+             f"cache {cfg.cache_mode}, weights {cfg.weight_format})"]
     for rank in range(cfg.tp_size):
         name = cfg.rank_file(rank)
         line = f"  rank {rank:<6} {name} {(out / name).stat().st_size / 2**20:.1f} MiB"
@@ -265,6 +319,7 @@ def build_summary(out: Path, cfg: EngineConfig, rank_stats: list[dict] | None = 
         if cfg.mtp_layers:
             d = cfg.draft_file(rank)
             lines.append(f"  rank {rank:<6} {d} {(out / d).stat().st_size / 2**20:.1f} MiB (MTP draft)")
+    lines += weights_summary(cfg, dequantised)
     lines.append(f"  cache       {bpt:,} B/token on every rank ({cfg.model.num_hidden_layers} layers x "
                  f"{bpt // cfg.model.num_hidden_layers} B: MLA latent + indexer key, replicated across ranks)")
     lines.append(f"  capacity    {2**30 // bpt:,} tokens per GiB of cache memory per rank")
@@ -298,6 +353,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="device the engine runs on (default: cuda when a GPU is visible, else cpu)")
     ap.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
                     help="activation dtype (default: bfloat16 on cuda, float32 on cpu)")
+    ap.add_argument("--weight-format", choices=("auto", "fp8", "dequant"), default="auto",
+                    help="how an fp8-block checkpoint's e4m3 weights live in the engine: fp8 (kept with their "
+                         "scales, W8A8 linears; bf16 only), dequant (dequantised to --dtype), or auto (default: "
+                         "fp8 for an fp8 checkpoint at bfloat16, dequant for float32 and for bf16 checkpoints)")
     ap.add_argument("--calib-file", default=None, help="text to calibrate the fp8 caches on (default: export/data/corpus.txt)")
     ap.add_argument("--kv-calibration", default=None,
                     help="reuse quant/fp8-kv-per-layer.json of an earlier fp8 build instead of calibrating (no ModelOpt needed)")
@@ -313,7 +372,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         build_engine(a.checkpoint, a.out, a.tp, a.cache, a.compiler, a.device, a.dtype, a.calib_file, a.max_num_tokens,
                      emit_onnx=a.emit_onnx, kv_calibration=a.kv_calibration, gpu_memory_gb=a.gpu_memory_gb,
-                     mtp=not a.no_mtp)
+                     weight_format=a.weight_format, mtp=not a.no_mtp)
     except (BuildError, CalibrationError, CheckpointError, ConfigError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

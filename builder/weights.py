@@ -97,12 +97,12 @@ def largest_layer_bytes(specs: dict[str, ConstantSpec]) -> int:
 
 def build_rank(ckpt: Checkpoint, out: Path, rank: int, package_name: str, *, cache_mode: str, dtype: torch.dtype,
                kv_scales: list[float], device: str, tp_size: int, max_num_tokens: int,
-               expert_op: bool = False, fp8_linears: bool = False, return_hidden: bool = False,
+               expert_op: bool | None = None, weight_format: str = "auto", return_hidden: bool = False,
                progress: Progress | None = None) -> dict:
     """Write ``out/rank<r>.weights.safetensors`` and ``out/<package_name>`` (no constants inside).
-    Returns the numbers the build summary prints."""
+    Returns the numbers the build summary prints. ``expert_op`` / ``weight_format``: build_network's."""
     t0 = time.perf_counter()
-    net = network_skeleton(ckpt, cache_mode, dtype, rank, tp_size, expert_op, fp8_linears)
+    net = network_skeleton(ckpt, cache_mode, dtype, rank, tp_size, expert_op, weight_format)
     net.return_hidden = return_hidden  # the MTP draft program's input (export/mtp.py)
     specs = network_specs(net)
     wpath = out / weights_file_name(rank)

@@ -29,6 +29,9 @@ ENGINE_CONFIG_NAME = "engine_config.json"
 COMPILERS = {"aoti": "pt2", "tensorrt": "plan", "eager": "safetensors"}
 DTYPES = ("bfloat16", "float32")
 WEIGHTS_FORMATS = (None, "safetensors")
+# How a checkpoint's e4m3 weights live in the programs: "fp8" kept e4m3 with their 128x128 scales
+# (W8A8 linears, bf16 activations), "dequant" dequantised to the program dtype (and every bf16 checkpoint)
+WEIGHT_FORMATS = ("fp8", "dequant")
 
 
 class EngineDirError(ValueError):
@@ -52,6 +55,7 @@ class EngineConfig:
     tokenizer: str = "tokenizer.json"
     plugin_library: str | None = None  # TensorRT plugin library file name (tensorrt only)
     weights: str | None = None  # "safetensors": rank<N>.weights.safetensors; None: inside the program (older engines)
+    weight_format: str = "dequant"  # WEIGHT_FORMATS; engines written before the field were all "dequant"
     # MTP layers compiled as the draft program rank<N>.mtp.<ext> (speculative decoding); the main
     # programs then also return the ``hidden`` output (dsa_trt/step.py). 0: no draft program.
     mtp_layers: int = 0
@@ -73,6 +77,11 @@ class EngineConfig:
             problems.append(f"page_size {self.page_size}: this runtime supports {PAGE_SIZE}")
         if self.weights not in WEIGHTS_FORMATS:
             problems.append(f"weights {self.weights!r} not in {WEIGHTS_FORMATS}")
+        if self.weight_format not in WEIGHT_FORMATS:
+            problems.append(f"weight_format {self.weight_format!r} not in {WEIGHT_FORMATS}")
+        elif self.weight_format == "fp8" and (self.dtype != "bfloat16" or self.model.fp8_weight_block is None):
+            problems.append(f"weight_format 'fp8' needs dtype bfloat16 and an fp8-block model (dtype {self.dtype!r}, "
+                            f"fp8_weight_block {self.model.fp8_weight_block}); rebuild the engine")
         if not 0 <= self.mtp_layers <= self.model.num_nextn_predict_layers:
             problems.append(f"mtp_layers {self.mtp_layers} not in [0, num_nextn_predict_layers "
                             f"{self.model.num_nextn_predict_layers}]")

@@ -173,14 +173,25 @@ class Checkpoint:
         return self.raw(name), self.raw(scale_name(name)).float()
 
     def stacked_experts(
-        self, layer: int, lo: int, hi: int
+        self, layer: int, lo: int, hi: int, dequantise: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
         """Routed experts lo..hi-1 of MoE ``layer`` in the layout of dsa::moe_experts, as stored:
 
         w13 [E, 2I, D] (gate_proj rows, then up_proj rows), w13_scale [E, 2*ceil(I/128), ceil(D/128)],
         w2 [E, D, I] (down_proj), w2_scale [E, ceil(D/128), ceil(I/128)]; e4m3 + fp32 scales for an
-        fp8 checkpoint, bf16 with both scales None otherwise. Reads only these 3 * E tensors (and
-        their scales), each once, into the stacked buffers."""
+        fp8 checkpoint, bf16 with both scales None otherwise (or with ``dequantise``). Reads only
+        these 3 * E tensors (and their scales), each once, into the stacked buffers."""
+        w13, w13_scale, w2, w2_scale = self._stacked_as_stored(layer, lo, hi)
+        if w13_scale is None or not dequantise:
+            return w13, w13_scale, w2, w2_scale
+        block = self.config.fp8_weight_block
+        w13 = torch.stack([dequantize_fp8_blockwise(w, s, block).to(torch.bfloat16) for w, s in zip(w13, w13_scale)])
+        w2 = torch.stack([dequantize_fp8_blockwise(w, s, block).to(torch.bfloat16) for w, s in zip(w2, w2_scale)])
+        return w13, None, w2, None
+
+    def _stacked_as_stored(
+        self, layer: int, lo: int, hi: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
         cfg = self.config
         if not cfg.first_k_dense_replace <= layer < cfg.num_hidden_layers + cfg.num_nextn_predict_layers:
             raise ValueError(

@@ -14,6 +14,9 @@ from torch import nn
 
 import dsa_trt.plugins.fp8_ops  # noqa: F401  (registers torch.ops.dsa.moe_experts)
 from dsa_trt.config import ModelConfig
+from dsa_trt.engine_config import WEIGHT_FORMATS
+
+FP8_BLOCK = 128  # the weight scale block (128 x 128) the fp8 ops take
 
 
 class RMSNorm(nn.Module):
@@ -66,15 +69,51 @@ class Fp8Linear(nn.Module):
         return y.view(*lead, y.shape[-1])
 
 
-def block_linear(dim_in: int, dim_out: int, dtype: torch.dtype, cfg: ModelConfig | None) -> nn.Module:
+def resolve_weight_format(cfg: ModelConfig, dtype: torch.dtype, weight_format: str) -> str:
+    """How a checkpoint's e4m3 weights live in the network: "fp8" (kept e4m3 with their scales,
+    W8A8) or "dequant" (dequantised to the network dtype). ``"auto"``: "fp8" for an fp8-block
+    checkpoint in a bf16 network; "dequant" for float32 networks (the exact mode compared with HF)
+    and for bf16 checkpoints (nothing to keep)."""
+    if weight_format not in ("auto", *WEIGHT_FORMATS):
+        raise ValueError(f"weight format {weight_format!r}: choose one of auto, {', '.join(WEIGHT_FORMATS)}")
+    fp8_ckpt = cfg.fp8_weight_block is not None and tuple(cfg.fp8_weight_block) == (FP8_BLOCK, FP8_BLOCK)
+    if weight_format == "auto":
+        return "fp8" if fp8_ckpt and dtype == torch.bfloat16 else "dequant"
+    if weight_format == "fp8" and not fp8_ckpt:
+        raise ValueError(f"weight format fp8: the checkpoint has no {FP8_BLOCK}x{FP8_BLOCK} fp8-block weights "
+                         f"(fp8_weight_block={cfg.fp8_weight_block}), so there is nothing to keep in e4m3; "
+                         "use --weight-format auto or dequant")
+    if weight_format == "fp8" and dtype != torch.bfloat16:
+        raise ValueError(f"weight format fp8 runs W8A8 linears on bf16 activations, but this network is {dtype}: "
+                         "build with --dtype bfloat16, or use --weight-format dequant (or auto)")
+    return weight_format
+
+
+def block_linear(dim_in: int, dim_out: int, dtype: torch.dtype, cfg: ModelConfig | None,
+                 split: int | None = None) -> nn.Module:
     """Fp8Linear when ``cfg`` is given (an fp8-block checkpoint kept W8A8; bf16 networks only), else
-    a plain bias-free Linear in ``dtype``."""
+    a plain bias-free Linear in ``dtype``.
+
+    ``split``: under tensor parallelism, the width of this rank's slice along the split dim (None:
+    the rank holds the whole weight). A slice that is not a multiple of the 128-wide scale block
+    would cut its scale blocks, so that linear is dequantised: a plain Linear marked
+    ``fp8_dequantised`` (the network lists them: DSAForCausalLM.dequantised_linears)."""
     if cfg is None:
         return linear(dim_in, dim_out, dtype)
     if dtype != torch.bfloat16 or cfg.fp8_weight_block is None:
         raise ValueError(f"fp8 linears need an fp8-block checkpoint and a bf16 network (got {dtype}, "
                          f"fp8_weight_block={cfg.fp8_weight_block})")
+    if split is not None and split % FP8_BLOCK:
+        lin = linear(dim_in, dim_out, dtype)
+        lin.fp8_dequantised = True
+        return lin
     return Fp8Linear(dim_in, dim_out, cfg.fp8_scale_fmt == "ue8m0")
+
+
+def dequantised_linears(net: nn.Module) -> list[str]:
+    """The Linears of ``net`` stored e4m3 in the checkpoint but dequantised (a shard not on the
+    128-block grid; see block_linear)."""
+    return [name for name, m in net.named_modules() if getattr(m, "fp8_dequantised", False)]
 
 
 def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -118,11 +157,13 @@ def hadamard_matrix(n: int) -> torch.Tensor:
 class SwiGLU(nn.Module):
     """Dense FFN / one expert: down(silu(gate x) * up x); silu*up in fp32 (docs/architecture.md §8)."""
 
-    def __init__(self, dim: int, inter: int, dtype: torch.dtype, fp8_cfg: ModelConfig | None = None):
+    def __init__(self, dim: int, inter: int, dtype: torch.dtype, fp8_cfg: ModelConfig | None = None,
+                 sharded: bool = False):
         super().__init__()
-        self.gate_proj = block_linear(dim, inter, dtype, fp8_cfg)
-        self.up_proj = block_linear(dim, inter, dtype, fp8_cfg)
-        self.down_proj = block_linear(inter, dim, dtype, fp8_cfg)
+        split = inter if sharded else None  # tensor parallel: gate/up rows and down columns are split
+        self.gate_proj = block_linear(dim, inter, dtype, fp8_cfg, split)
+        self.up_proj = block_linear(dim, inter, dtype, fp8_cfg, split)
+        self.down_proj = block_linear(inter, dim, dtype, fp8_cfg, split)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = F.silu(self.gate_proj(x).float()) * self.up_proj(x).float()
@@ -137,6 +178,10 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.zeros(num_experts, cfg.hidden_size), requires_grad=False)
         self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts), requires_grad=False)
         self.cfg = cfg
+        # Test hook (tests/test_w8a8.py): global expert ids [T, k] to use instead of this router's
+        # choice, so an eager forward replays another implementation's routing; the combine weights
+        # are still this router's scores at those ids. Never set in exported programs.
+        self.replay_ids: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, D] -> dense combine weights [T, E] fp32 (zero for unselected experts)."""
@@ -147,6 +192,16 @@ class Router(nn.Module):
         """x [T, D] -> (global expert ids [T, k] int64, combine weights [T, k] fp32)."""
         cfg = self.cfg
         scores = torch.sigmoid(x.float() @ self.weight.float().t())  # [T, E]
+        idx = self.replay_ids.to(x.device) if self.replay_ids is not None else self._choose(scores)
+        w = scores.gather(1, idx)
+        if cfg.norm_topk_prob:
+            w = w / (w.sum(-1, keepdim=True) + 1e-20)
+        w = w * cfg.routed_scaling_factor
+        return idx, w
+
+    def _choose(self, scores: torch.Tensor) -> torch.Tensor:
+        """sigmoid scores [T, E] -> the chosen global expert ids [T, k] int64."""
+        cfg = self.cfg
         choice = scores + self.e_score_correction_bias
         num_tokens, num_experts = scores.shape
         grouped = choice.view(num_tokens, cfg.n_group, num_experts // cfg.n_group)
@@ -155,12 +210,7 @@ class Router(nn.Module):
         group_mask = torch.zeros_like(group_scores).scatter(1, group_idx, 1.0)
         expert_mask = group_mask.unsqueeze(-1).expand_as(grouped).reshape(num_tokens, num_experts)
         choice = choice.masked_fill(expert_mask == 0, float("-inf"))
-        idx = choice.topk(cfg.num_experts_per_tok, dim=-1).indices  # [T, k]
-        w = scores.gather(1, idx)
-        if cfg.norm_topk_prob:
-            w = w / (w.sum(-1, keepdim=True) + 1e-20)
-        w = w * cfg.routed_scaling_factor
-        return idx, w
+        return choice.topk(cfg.num_experts_per_tok, dim=-1).indices  # [T, k]
 
 
 class StackedExperts(nn.Module):
@@ -168,18 +218,19 @@ class StackedExperts(nn.Module):
     graph node whatever the expert count, only the routed (token, expert) pairs computed.
 
     Buffers in the op's layout (Checkpoint.stacked_experts fills them): ``w13`` [E, 2I, D] (gate
-    rows, then up rows) and ``w2`` [E, D, I], e4m3 with fp32 128x128 ``w13_scale`` / ``w2_scale``
-    for an fp8-block checkpoint (W8A8, never dequantised), bf16 without scales otherwise."""
+    rows, then up rows) and ``w2`` [E, D, I]; with ``fp8`` (weight format "fp8" of an fp8-block
+    checkpoint) e4m3 with fp32 128x128 ``w13_scale`` / ``w2_scale`` (W8A8, never dequantised),
+    else bf16 without scales (a bf16 checkpoint, or an fp8 one dequantised)."""
 
     BUFFERS = ("w13", "w13_scale", "w2", "w2_scale")
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, lo: int, hi: int):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, lo: int, hi: int, fp8: bool = False):
         super().__init__()
         if dtype != torch.bfloat16:
             raise ValueError(f"stacked experts (dsa::moe_experts) take bf16 activations; this network is {dtype}: "
                              "build with dtype bfloat16, or without the expert op")
         d, inter, n = cfg.hidden_size, cfg.moe_intermediate_size, hi - lo
-        self.fp8 = cfg.fp8_weight_block is not None
+        self.fp8 = fp8
         self.pow2_scales = cfg.fp8_scale_fmt == "ue8m0"
         self.num_experts, self.expert_offset = cfg.n_routed_experts, lo
         wdtype = torch.float8_e4m3fn if self.fp8 else torch.bfloat16
@@ -202,28 +253,31 @@ class MoE(nn.Module):
 
     ``expert_op=False``: every local expert runs on every token and is weighted by the (mostly
     zero) combine weights: no data-dependent shapes, so the graph exports and compiles as is, at
-    E/top_k times the routed FLOPs and ~20 graph nodes per expert. ``expert_op=True``: the routed
-    experts are one StackedExperts (dsa::moe_experts) call, for real-size models (bf16 networks).
+    E/top_k times the routed FLOPs and ~20 graph nodes per expert (the float32 networks).
+    ``expert_op=True``: the routed experts are one StackedExperts (dsa::moe_experts) call: a
+    constant number of nodes per layer (bf16 networks). ``weight_format``: "fp8" keeps the e4m3
+    weights of the experts and shared experts with their scales (layers.resolve_weight_format).
     """
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, expert_range: tuple[int, int] | None = None,
-                 tp_size: int = 1, expert_op: bool = False, fp8_linears: bool = False):
+                 tp_size: int = 1, expert_op: bool = False, weight_format: str = "dequant"):
         super().__init__()
         self.gate = Router(cfg, cfg.n_routed_experts)
         lo, hi = expert_range or (0, cfg.n_routed_experts)
         self.expert_lo, self.expert_hi = lo, hi
         self.tp_size = tp_size
         self.expert_op = expert_op
+        fp8 = cfg if weight_format == "fp8" else None
         if expert_op:
-            self.stacked_experts = StackedExperts(cfg, dtype, lo, hi)
+            self.stacked_experts = StackedExperts(cfg, dtype, lo, hi, fp8=fp8 is not None)
         else:
             self.experts = nn.ModuleDict(
-                {str(e): SwiGLU(cfg.hidden_size, cfg.moe_intermediate_size, dtype) for e in range(lo, hi)}
+                {str(e): SwiGLU(cfg.hidden_size, cfg.moe_intermediate_size, dtype, fp8) for e in range(lo, hi)}
             )
         # tensor parallel: this rank's experts [lo, hi) and 1/tp of the shared experts' width
         self.shared_experts = (
-            SwiGLU(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts // tp_size, dtype,
-                   cfg if fp8_linears else None)
+            SwiGLU(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts // tp_size, dtype, fp8,
+                   sharded=tp_size > 1)
             if cfg.n_shared_experts
             else None
         )

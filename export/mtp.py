@@ -31,10 +31,10 @@ from dsa_trt.plugins.pools import allocate_pools
 from dsa_trt.step import dynamic_shapes, export_dims
 
 from .checkpoint import Checkpoint
-from .layers import RMSNorm, StackedExperts, hadamard_matrix, linear, rope_cos_sin
-from .network import CACHE_MODES, DecoderLayer
-from .program import Progress, example_step
-from .sharding import check_tp, shard_tensor
+from .layers import RMSNorm, hadamard_matrix, linear, resolve_weight_format, rope_cos_sin
+from .network import CACHE_MODES, DecoderLayer, check_dequantised
+from .program import Progress, checkpoint_tensors, example_step
+from .sharding import check_tp
 
 MTP_POOL_LAYERS = 1  # the draft program's pool lists hold one layer
 
@@ -50,8 +50,8 @@ class MTPBlock(DecoderLayer):
     """DecoderLayer ``num_hidden_layers`` (MoE FFN, own indexer) plus the §5 extras."""
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, tp_rank: int, tp_size: int, expert_op: bool,
-                 fp8_linears: bool):
-        super().__init__(cfg, cfg.num_hidden_layers, dtype, tp_rank, tp_size, expert_op, fp8_linears)
+                 weight_format: str):
+        super().__init__(cfg, cfg.num_hidden_layers, dtype, tp_rank, tp_size, expert_op, weight_format)
         d = cfg.hidden_size
         self.embed_tokens = nn.Embedding(cfg.vocab_size, d, dtype=dtype)
         self.embed_tokens.weight.requires_grad_(False)
@@ -62,11 +62,12 @@ class MTPBlock(DecoderLayer):
 
 
 class MTPDraft(nn.Module):
-    """The draft program's module. ``tp_rank``/``tp_size`` as DSAForCausalLM: the block's heads and
-    experts are this rank's shard; eh_proj, the norms, embedding and head are replicated."""
+    """The draft program's module. ``tp_rank``/``tp_size``, ``expert_op`` and ``weight_format`` as
+    DSAForCausalLM: the block's heads and experts are this rank's shard, its e4m3 Linears kept or
+    dequantised alike; eh_proj, the norms, embedding and head (bf16 in the checkpoint) are replicated."""
 
     def __init__(self, cfg: ModelConfig, cache_mode: str = "bf16", dtype: torch.dtype = torch.bfloat16,
-                 tp_rank: int = 0, tp_size: int = 1, expert_op: bool = False, fp8_linears: bool = False):
+                 tp_rank: int = 0, tp_size: int = 1, expert_op: bool | None = None, weight_format: str = "auto"):
         super().__init__()
         if cfg.num_nextn_predict_layers < 1:
             raise ValueError("the checkpoint has no MTP layer (num_nextn_predict_layers = 0): no draft program")
@@ -75,10 +76,13 @@ class MTPDraft(nn.Module):
         check_tp(cfg, tp_size)
         self.cfg, self.cache_mode, self.dtype = cfg, cache_mode, dtype
         self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.weight_format = resolve_weight_format(cfg, dtype, weight_format)
+        self.expert_op = dtype == torch.bfloat16 if expert_op is None else expert_op
         self.model = nn.Module()
         # a ModuleDict keyed by the layer index gives the checkpoint's names: model.layers.<L>.*
         self.model.layers = nn.ModuleDict(
-            {str(cfg.num_hidden_layers): MTPBlock(cfg, dtype, tp_rank, tp_size, expert_op, fp8_linears)})
+            {str(cfg.num_hidden_layers): MTPBlock(cfg, dtype, tp_rank, tp_size, self.expert_op, self.weight_format)})
+        self.dequantised_linears = check_dequantised(self, weight_format, tp_size)
         self.register_buffer("inv_freq", cfg.rope_inv_freq(), persistent=False)
 
     @property
@@ -106,8 +110,8 @@ class MTPDraft(nn.Module):
 
 def build_mtp_network(ckpt: Checkpoint, cache_mode: str, dtype: torch.dtype, kv_scale: float = 1.0,
                       device: str | torch.device = "cpu", tp_rank: int = 0, tp_size: int = 1,
-                      progress: Progress | None = None, expert_op: bool = False,
-                      fp8_linears: bool = False) -> MTPDraft:
+                      progress: Progress | None = None, expert_op: bool | None = None,
+                      weight_format: str = "auto") -> MTPDraft:
     """Rank ``tp_rank``'s draft network with the checkpoint's MTP tensors (``Checkpoint(...,
     include_mtp=True)``), loaded as export/program.py's build_network loads the main layers."""
     if not ckpt.include_mtp:
@@ -115,25 +119,8 @@ def build_mtp_network(ckpt: Checkpoint, cache_mode: str, dtype: torch.dtype, kv_
                          "MTP draft program")
     cfg = ckpt.config
     with torch.device("meta"):
-        net = MTPDraft(cfg, cache_mode, dtype, tp_rank, tp_size, expert_op, fp8_linears)
-    state, stacked = {}, None
-    items = list(net.state_dict().items())
-    for name, param in progress(items) if progress else items:
-        if ".mlp.stacked_experts." in name:
-            if stacked is None:
-                moe = net.block.mlp
-                stacked = dict(zip(StackedExperts.BUFFERS, ckpt.stacked_experts(cfg.num_hidden_layers, moe.expert_lo,
-                                                                                 moe.expert_hi), strict=True))
-            t = stacked[name.rsplit(".", 1)[-1]]
-        elif param.dtype == torch.float8_e4m3fn or name.endswith(".weight_scale_inv"):
-            t = ckpt.raw(name)
-        else:
-            t = shard_tensor(name, ckpt.get(name, dtype=param.dtype), tp_rank, tp_size)
-        if t is None or t.dtype != param.dtype or t.shape != param.shape:
-            got = None if t is None else f"{tuple(t.shape)} {t.dtype}"
-            raise ValueError(f"{name}: rank {tp_rank}/{tp_size} checkpoint tensor is {got}, the draft network "
-                             f"expects {tuple(param.shape)} {param.dtype}")
-        state[name] = t.to(device)
+        net = MTPDraft(cfg, cache_mode, dtype, tp_rank, tp_size, expert_op, weight_format)
+    state = {name: t.to(device) for name, t in checkpoint_tensors(ckpt, net, tp_rank, tp_size, progress)}
     net.load_state_dict(state, strict=True, assign=True)
     net.inv_freq = cfg.rope_inv_freq().to(device)
     net.block.self_attn.indexer.hadamard = hadamard_matrix(cfg.index_head_dim).to(device)

@@ -19,6 +19,7 @@ from torch import nn
 
 import dsa_trt.plugins.collectives  # noqa: F401  (registers torch.ops.dsa.all_reduce)
 import dsa_trt.plugins.ops  # noqa: F401  (registers torch.ops.dsa.*)
+from dsa_trt.cache_layout import PAGE_SIZE
 from dsa_trt.config import ModelConfig
 from dsa_trt.plugins.reference import quant_fp8_pow2
 
@@ -28,24 +29,36 @@ from .layers import (
     RMSNorm,
     SwiGLU,
     block_linear,
+    dequantised_linears,
     hadamard_matrix,
     linear,
     rope_cos_sin,
     rope_half_split,
     rope_interleaved,
+    resolve_weight_format,
 )
 from .sharding import check_tp, local_experts
 
 CACHE_MODES = ("fp8", "bf16", "fp32")
 
 
+def check_dequantised(net: nn.Module, weight_format: str, tp_size: int) -> list[str]:
+    """The e4m3 Linears ``net`` dequantises because their tensor-parallel slice is off the 128-block
+    grid: the list under "auto", an error naming them under an explicit "fp8"."""
+    names = dequantised_linears(net)
+    if names and weight_format == "fp8":
+        raise ValueError(f"weight format fp8 at tp {tp_size}: {len(names)} linear(s) would be split off the "
+                         f"128-wide scale block grid, e.g. {names[0]}; use --weight-format auto (dequantises "
+                         "just those) or dequant, or a tp whose slices are multiples of 128")
+    return names
+
+
 class Indexer(nn.Module):
     """Lightning indexer: q from c_q, k = LayerNorm(x Wk), RoPE on the first 64 dims."""
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, fp8_linears: bool = False):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, fp8: ModelConfig | None = None):
         super().__init__()
         self.cfg = cfg
-        fp8 = cfg if fp8_linears else None
         self.wq_b = block_linear(cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim, dtype, fp8)
         self.wk = block_linear(cfg.hidden_size, cfg.index_head_dim, dtype, fp8)
         self.k_norm = IndexerKNorm(cfg.index_head_dim)
@@ -53,6 +66,10 @@ class Indexer(nn.Module):
         self.weights_proj = nn.Linear(cfg.hidden_size, cfg.index_n_heads, bias=False, dtype=torch.float32)
         self.weights_proj.weight.requires_grad_(False)
         self.register_buffer("hadamard", hadamard_matrix(cfg.index_head_dim), persistent=False)
+        # Test hook (tests/test_w8a8.py): key positions [T, k] in each token's own sequence (-1 or
+        # beyond the token's position: none) to attend instead of this indexer's top-k, so an eager
+        # forward replays another implementation's selection. Never set in exported programs.
+        self.replay_positions: torch.Tensor | None = None
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         r = self.cfg.qk_rope_head_dim
@@ -74,7 +91,18 @@ class Indexer(nn.Module):
             q, q_scale = quant_fp8_pow2(q)  # one power-of-two scale per (token, head)
             w = w * q_scale
         logits = torch.ops.dsa.indexer_logits(q, w, pool, page_table, req_idx, seq_lens)
+        if self.replay_positions is not None:
+            return self._replayed_slots(page_table, req_idx, seq_lens)
         return torch.ops.dsa.topk_translate(logits, seq_lens, page_table, req_idx, cfg.index_topk)
+
+    def _replayed_slots(self, page_table, req_idx, seq_lens) -> torch.Tensor:
+        """replay_positions -> cache slots [T, k] int32 (-1: none), as topk_translate translates them."""
+        pos = self.replay_positions.to(page_table.device).long()
+        valid = (pos >= 0) & (pos < seq_lens[:, None])
+        pos = pos.clamp(min=0)
+        pages = page_table.long()[req_idx.long()[:, None], pos // PAGE_SIZE]
+        slots = pages * PAGE_SIZE + pos % PAGE_SIZE
+        return torch.where(valid, slots, torch.full_like(slots, -1)).to(torch.int32)
 
 
 class KVCacheQuantizerSlot(nn.Module):
@@ -95,22 +123,24 @@ class DSAAttention(nn.Module):
     and the indexer are replicated; o_proj's output is a partial sum, all-reduced over the ranks.
     """
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, tp_size: int = 1, fp8_linears: bool = False):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, tp_size: int = 1, weight_format: str = "dequant"):
         super().__init__()
         self.cfg = cfg
         self.tp_size = tp_size
         self.num_heads = cfg.num_attention_heads // tp_size  # local heads
         h = self.num_heads
-        fp8 = cfg if fp8_linears else None
+        fp8 = cfg if weight_format == "fp8" else None
+        split = tp_size > 1  # q_b's rows and o_proj's columns are this rank's heads
         self.q_a_proj = block_linear(cfg.hidden_size, cfg.q_lora_rank, dtype, fp8)
         self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, 1e-6)
-        self.q_b_proj = block_linear(cfg.q_lora_rank, h * cfg.qk_head_dim, dtype, fp8)
+        self.q_b_proj = block_linear(cfg.q_lora_rank, h * cfg.qk_head_dim, dtype, fp8,
+                                     h * cfg.qk_head_dim if split else None)
         self.kv_a_proj_with_mqa = block_linear(cfg.hidden_size, cfg.kv_lora_rank + cfg.qk_rope_head_dim, dtype, fp8)
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, 1e-6)
         # kv_b stays a dequantised bf16 weight: the absorbed decode reads it as W_uk / W_uv ([R] does too)
         self.kv_b_proj = linear(cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim), dtype)
-        self.o_proj = block_linear(h * cfg.v_head_dim, cfg.hidden_size, dtype, fp8)
-        self.indexer = Indexer(cfg, dtype, fp8_linears)
+        self.o_proj = block_linear(h * cfg.v_head_dim, cfg.hidden_size, dtype, fp8, h * cfg.v_head_dim if split else None)
+        self.indexer = Indexer(cfg, dtype, fp8)  # replicated: whole weights on every rank
         self.kv_cache_quantizer = KVCacheQuantizerSlot()
         self.kv_scale = 1.0  # per-layer MLA cache scale (fp8 mode), set from calibration
 
@@ -146,17 +176,18 @@ class DSAAttention(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1,
-                 expert_op: bool = False, fp8_linears: bool = False):
+                 expert_op: bool = False, weight_format: str = "dequant"):
         super().__init__()
         self.tp_size = tp_size
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = DSAAttention(cfg, dtype, tp_size, fp8_linears)
+        self.self_attn = DSAAttention(cfg, dtype, tp_size, weight_format)
         self.dense_mlp = layer_idx < cfg.first_k_dense_replace
         if self.dense_mlp:  # intermediate dim split; the MoE all-reduces its own (fp32) sum
-            self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size // tp_size, dtype, cfg if fp8_linears else None)
+            self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size // tp_size, dtype,
+                              cfg if weight_format == "fp8" else None, sharded=tp_size > 1)
         else:
-            self.mlp = MoE(cfg, dtype, local_experts(cfg, tp_rank, tp_size), tp_size, expert_op, fp8_linears)
+            self.mlp = MoE(cfg, dtype, local_experts(cfg, tp_rank, tp_size), tp_size, expert_op, weight_format)
 
     def forward(self, h, cos, sin, meta, mla_pool, index_pool, cache_mode):
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, meta, mla_pool, index_pool, cache_mode)
@@ -168,12 +199,13 @@ class DecoderLayer(nn.Module):
 
 class DSAModelBody(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1,
-                 expert_op: bool = False, fp8_linears: bool = False):
+                 expert_op: bool = False, weight_format: str = "dequant"):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
         self.embed_tokens.weight.requires_grad_(False)
         self.layers = nn.ModuleList(
-            [DecoderLayer(cfg, i, dtype, tp_rank, tp_size, expert_op, fp8_linears) for i in range(cfg.num_hidden_layers)]
+            [DecoderLayer(cfg, i, dtype, tp_rank, tp_size, expert_op, weight_format)
+             for i in range(cfg.num_hidden_layers)]
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -184,13 +216,17 @@ class DSAForCausalLM(nn.Module):
     ``tp_rank``/``tp_size``: this module is rank ``tp_rank``'s shard of a tensor-parallel engine
     (export/sharding.py says which slice of each checkpoint tensor it holds); every rank returns
     the same full logits. ``expert_op``: the MoE layers' routed experts run as one dsa::moe_experts
-    call each (export/layers.py StackedExperts; bf16 networks only). ``fp8_linears``: every Linear
-    an fp8-block checkpoint stores in e4m3 (but kv_b, read as a matrix by the absorbed decode) is an
-    Fp8Linear (W8A8 through dsa::fp8_block_linear; bf16 networks, tp_size 1).
+    call each (export/layers.py StackedExperts; bf16 networks only); None: on for bf16 networks.
+    ``weight_format`` (export/layers.py resolve_weight_format; the resolved value is
+    ``self.weight_format``): "fp8" keeps every Linear an fp8-block checkpoint stores in e4m3 (but
+    kv_b, read as a matrix by the absorbed decode) as an Fp8Linear (W8A8 through
+    dsa::fp8_block_linear; bf16 networks) and the stacked experts e4m3; a tensor-parallel slice off
+    the 128-block grid is dequantised under "auto" (``dequantised_linears`` names them) and an
+    error under "fp8". "dequant": the e4m3 weights dequantised to ``dtype``.
     """
 
     def __init__(self, cfg: ModelConfig, cache_mode: str = "bf16", dtype: torch.dtype = torch.bfloat16,
-                 tp_rank: int = 0, tp_size: int = 1, expert_op: bool = False, fp8_linears: bool = False):
+                 tp_rank: int = 0, tp_size: int = 1, expert_op: bool | None = None, weight_format: str = "auto"):
         super().__init__()
         if cache_mode not in CACHE_MODES:
             raise ValueError(f"cache_mode {cache_mode!r} not in {CACHE_MODES}")
@@ -199,10 +235,10 @@ class DSAForCausalLM(nn.Module):
             raise ValueError(f"tp_rank {tp_rank} not in [0, {tp_size})")
         self.cfg, self.cache_mode, self.dtype = cfg, cache_mode, dtype
         self.tp_rank, self.tp_size = tp_rank, tp_size
-        if fp8_linears and tp_size != 1:
-            raise ValueError("fp8_linears supports tp_size 1 only: sharding e4m3 weights with their 128x128 scales "
-                             "is not implemented (export/sharding.py slices dequantised tensors)")
-        self.model = DSAModelBody(cfg, dtype, tp_rank, tp_size, expert_op, fp8_linears)
+        self.weight_format = resolve_weight_format(cfg, dtype, weight_format)
+        self.expert_op = dtype == torch.bfloat16 if expert_op is None else expert_op
+        self.model = DSAModelBody(cfg, dtype, tp_rank, tp_size, self.expert_op, self.weight_format)
+        self.dequantised_linears = check_dequantised(self, weight_format, tp_size)
         self.lm_head = linear(cfg.hidden_size, cfg.vocab_size, dtype)
         self.register_buffer("inv_freq", cfg.rope_inv_freq(), persistent=False)
         # True in engines built for speculative decoding: forward returns (logits, hidden) (dsa_trt/step.py)

@@ -121,10 +121,10 @@ class ExpertParallelMoE(MoE):
     the exchange instead of the all-reduce. Parameters and checkpoint names are the MoE's."""
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, rank: int, size: int, ep_capacity: int | None,
-                 expert_op: bool = False, fp8_linears: bool = False):
+                 expert_op: bool = False, weight_format: str = "dequant"):
         per_rank = cfg.n_routed_experts // size
         super().__init__(cfg, dtype, (rank * per_rank, (rank + 1) * per_rank), tp_size=1, expert_op=expert_op,
-                         fp8_linears=fp8_linears)
+                         weight_format=weight_format)
         self.rank, self.size, self.ep_capacity = rank, size, ep_capacity
         self.experts_per_rank, self.top_k = per_rank, cfg.num_experts_per_tok
         # an id no rank-local expert has: empty receive rows carry it, and dsa::moe_experts skips it
@@ -184,7 +184,7 @@ class ParallelDSAForCausalLM(DSAForCausalLM):
     the module docstring). Same arguments as DSAForCausalLM (tp_size must be 1), plus ``parallel``."""
 
     def __init__(self, cfg: ModelConfig, cache_mode: str = "bf16", dtype: torch.dtype = torch.bfloat16,
-                 tp_rank: int = 0, tp_size: int = 1, expert_op: bool = False, fp8_linears: bool = False,
+                 tp_rank: int = 0, tp_size: int = 1, expert_op: bool | None = None, weight_format: str = "auto",
                  parallel: ParallelConfig | None = None):
         if parallel is None:
             raise ConfigError("ParallelDSAForCausalLM needs a ParallelConfig")
@@ -192,13 +192,13 @@ class ParallelDSAForCausalLM(DSAForCausalLM):
             raise ConfigError(f"tp_size {tp_size}: expert / context parallelism replicates the attention; "
                               "combining it with tensor parallelism is not implemented")
         parallel.check(cfg)
-        super().__init__(cfg, cache_mode, dtype, 0, 1, expert_op, fp8_linears)
+        super().__init__(cfg, cache_mode, dtype, 0, 1, expert_op, weight_format)
         self.parallel = parallel
         if parallel.expert_parallel:
             for layer in self.model.layers:
                 if not layer.dense_mlp:
                     layer.mlp = ExpertParallelMoE(cfg, dtype, parallel.rank, parallel.size, parallel.ep_capacity,
-                                                  expert_op, fp8_linears)
+                                                  self.expert_op, self.weight_format)
 
     def forward(self, input_ids, positions, req_idx, page_table, slot_mapping, logits_indices,
                 mla_pools: list[torch.Tensor], index_pools: list[torch.Tensor]) -> torch.Tensor:
@@ -239,12 +239,12 @@ class ParallelDSAForCausalLM(DSAForCausalLM):
 
 def build_parallel_network(ckpt: Checkpoint, cache_mode: str, dtype: torch.dtype, parallel: ParallelConfig,
                            kv_scales: list[float] | None = None, device: str | torch.device = "cpu",
-                           expert_op: bool = False) -> ParallelDSAForCausalLM:
+                           expert_op: bool | None = None, weight_format: str = "auto") -> ParallelDSAForCausalLM:
     """Rank ``parallel.rank``'s network with the checkpoint's weights (only its routed experts under
-    expert parallelism), in eval mode."""
+    expert parallelism; ``expert_op`` and ``weight_format`` as build_network), in eval mode."""
     cls = functools.partial(ParallelDSAForCausalLM, parallel=parallel)
     return build_network(ckpt, cache_mode, dtype, kv_scales, device=device, expert_op=expert_op,
-                         network_cls=cls)
+                         weight_format=weight_format, network_cls=cls)
 
 
 def export_parallel_program(net: ParallelDSAForCausalLM, max_num_tokens: int = 8192, max_batch: int = 256,

@@ -1,6 +1,6 @@
 """Checkpoint -> our network -> torch.export program (docs/architecture.md §2).
 
-``build_network`` loads the (dequantised) checkpoint weights into DSAForCausalLM under their HF
+``build_network`` loads the checkpoint weights (e4m3 kept or dequantised: its weight_format) into DSAForCausalLM under their HF
 names; ``export_program`` traces one step with dynamic token count, batch, pages and pool size.
 The same ExportedProgram feeds AOTInductor (here) and the ONNX/TensorRT path (builder).
 """
@@ -33,20 +33,21 @@ def build_network(
     tp_rank: int = 0,
     tp_size: int = 1,
     progress: Progress | None = None,
-    expert_op: bool = False,
-    fp8_linears: bool = False,
+    expert_op: bool | None = None,
+    weight_format: str = "auto",
     network_cls: Callable[..., DSAForCausalLM] = DSAForCausalLM,
 ) -> DSAForCausalLM:
-    """Rank ``tp_rank``'s network with the checkpoint's weights (fp8 blocks dequantised, then sliced
-    by export/sharding.py), in eval mode. ``progress`` wraps the loop over the tensors.
+    """Rank ``tp_rank``'s network with the checkpoint's weights (sliced by export/sharding.py), in
+    eval mode. ``progress`` wraps the loop over the tensors.
 
-    ``expert_op``: each MoE layer's routed experts are one dsa::moe_experts call on this rank's
-    experts stacked as stored (Checkpoint.stacked_experts: e4m3 + scales for fp8 checkpoints, never
-    dequantised; bf16 otherwise); bf16 networks only. ``fp8_linears``: the fp8-block checkpoint's
-    e4m3 Linears (but kv_b) stay e4m3 with their ``weight_scale_inv`` (W8A8); tp_size 1.
-    ``network_cls``: a DSAForCausalLM subclass taking the same arguments (export/parallel.py's
-    expert- and context-parallel network)."""
-    net = network_skeleton(ckpt, cache_mode, dtype, tp_rank, tp_size, expert_op, fp8_linears, network_cls)
+    ``weight_format`` (export/layers.py resolve_weight_format): "fp8" keeps the fp8-block
+    checkpoint's e4m3 Linears (but kv_b) e4m3 with their ``weight_scale_inv`` (W8A8) and its
+    routed experts stacked as stored; "dequant" dequantises them; "auto" (the default): "fp8" for
+    an fp8-block checkpoint in a bf16 network, else "dequant". ``expert_op``: each MoE layer's
+    routed experts are one dsa::moe_experts call on this rank's experts (Checkpoint.stacked_experts);
+    None: on for bf16 networks. ``network_cls``: a DSAForCausalLM subclass taking the same
+    arguments (export/parallel.py's expert- and context-parallel network)."""
+    net = network_skeleton(ckpt, cache_mode, dtype, tp_rank, tp_size, expert_op, weight_format, network_cls)
     state = {name: t.to(device) for name, t in checkpoint_tensors(ckpt, net, tp_rank, tp_size, progress)}
     net.load_state_dict(state, strict=True, assign=True)
     # non-persistent buffers were created on meta: rebuild them on the target device
@@ -58,12 +59,12 @@ def build_network(
 
 
 def network_skeleton(ckpt: Checkpoint, cache_mode: str, dtype: torch.dtype, tp_rank: int = 0, tp_size: int = 1,
-                     expert_op: bool = False, fp8_linears: bool = False,
+                     expert_op: bool | None = None, weight_format: str = "auto",
                      network_cls: Callable[..., DSAForCausalLM] = DSAForCausalLM) -> DSAForCausalLM:
     """Rank ``tp_rank``'s network on the meta device: every tensor's name, dtype and shape, no data."""
     with torch.device("meta"):
         return network_cls(ckpt.config, cache_mode=cache_mode, dtype=dtype, tp_rank=tp_rank, tp_size=tp_size,
-                              expert_op=expert_op, fp8_linears=fp8_linears)
+                           expert_op=expert_op, weight_format=weight_format)
 
 
 def derived_buffers(net: DSAForCausalLM) -> dict[str, torch.Tensor]:
@@ -80,12 +81,13 @@ def set_tensor(net: torch.nn.Module, name: str, t: torch.Tensor) -> None:
     net.get_submodule(owner)._buffers[leaf] = t
 
 
-def checkpoint_tensors(ckpt: Checkpoint, net: DSAForCausalLM, tp_rank: int = 0, tp_size: int = 1,
+def checkpoint_tensors(ckpt: Checkpoint, net: torch.nn.Module, tp_rank: int = 0, tp_size: int = 1,
                        progress: Progress | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, CPU tensor) for every persistent tensor of ``net`` (a skeleton), in module order (a
-    layer at a time), each as the network holds it: fp8 blocks dequantised then sliced by
-    export/sharding.py, or kept e4m3 with their scales (Fp8Linear, stacked experts). Only one
-    tensor (one layer's stacked experts) is alive at a time unless the caller keeps them."""
+    """(name, CPU tensor) for every persistent tensor of ``net`` (a skeleton: DSAForCausalLM or the
+    MTP draft), in module order (a layer at a time), each as the network holds it and sliced by
+    export/sharding.py: fp8 blocks dequantised, or kept e4m3 with their scales (Fp8Linear, stacked
+    experts). Only one tensor (one layer's stacked experts) is alive at a time unless the caller
+    keeps them."""
     stacked = {}  # layer -> its StackedExperts buffers by name (the current layer only)
     items = list(net.state_dict().items())
     for name, param in progress(items) if progress else items:
@@ -94,9 +96,10 @@ def checkpoint_tensors(ckpt: Checkpoint, net: DSAForCausalLM, tp_rank: int = 0, 
             layer = int(parts[2])
             if layer not in stacked:
                 stacked.clear()
-                moe = net.model.layers[layer].mlp
-                stacked[layer] = dict(zip(StackedExperts.BUFFERS,
-                                          ckpt.stacked_experts(layer, moe.expert_lo, moe.expert_hi), strict=True))
+                moe = net.get_submodule(f"model.layers.{layer}.mlp")
+                experts = ckpt.stacked_experts(layer, moe.expert_lo, moe.expert_hi,
+                                               dequantise=not moe.stacked_experts.fp8)
+                stacked[layer] = dict(zip(StackedExperts.BUFFERS, experts, strict=True))
             t = stacked[layer][parts[-1]]
             if t is None or t.dtype != param.dtype:
                 raise ValueError(f"{name}: the checkpoint's stacked experts are {None if t is None else t.dtype}, "
@@ -109,6 +112,7 @@ def checkpoint_tensors(ckpt: Checkpoint, net: DSAForCausalLM, tp_rank: int = 0, 
             t = ckpt.raw(name)
             if t.dtype != param.dtype:
                 raise ValueError(f"{name}: the checkpoint stores {t.dtype}, the fp8 network expects {param.dtype}")
+            t = shard_tensor(name, t, tp_rank, tp_size)  # whole 128x128 blocks and their scales
         else:
             t = shard_tensor(name, ckpt.get(name, dtype=param.dtype), tp_rank, tp_size)
         if t.shape != param.shape:

@@ -10,7 +10,8 @@ Rank r of N holds:
 * embedding, final norm and lm_head: replicated (simple; a vocab-parallel lm_head would save
   memory on the 671B model at the cost of an all-gather).
 Row-parallel outputs (o_proj, down projections, the expert sum) are partial sums, added by
-``dsa::all_reduce`` in the network.
+``dsa::all_reduce`` in the network. e4m3 weights are sliced as stored, with their block scales
+(shard_dim); dequantised ones after dequantisation.
 """
 
 from __future__ import annotations
@@ -40,7 +41,13 @@ _COMPILED = tuple((re.compile(p), d) for p, d in SHARD_DIMS)
 
 
 def shard_dim(name: str) -> int | None:
-    """The dim along which parameter ``name`` is split across ranks, or None when replicated."""
+    """The dim along which parameter ``name`` is split across ranks, or None when replicated.
+
+    An e4m3 weight's ``weight_scale_inv`` [ceil(out/128), ceil(in/128)] splits along its weight's
+    dim: rank r's slice of the weight keeps whole 128x128 blocks when its width is a multiple of
+    128 (the network dequantises the linears whose slice is not: layers.block_linear), and the
+    scale rows (or columns) of those blocks are then slice r of the scale."""
+    name = name.removesuffix("_scale_inv")
     for pattern, dim in _COMPILED:
         if pattern.search(name):
             return dim

@@ -482,15 +482,16 @@ def _logits(net, cfg):
 
 def test_network_moe_on_the_expert_op(tiny_ckpt, tmp_path):
     """build_network(expert_op=True): one dsa::moe_experts node per MoE layer; on a bf16 checkpoint the
-    logits equal the per-expert loop's exactly, on the fp8 checkpoint they are W8A8 (experts e4m3)."""
+    logits equal the per-expert loop's exactly, on the fp8 checkpoint they are W8A8 (experts e4m3),
+    and with weight_format="dequant" the stacked experts are the dequantised bf16 ones."""
     from dsa_trt.export.checkpoint import Checkpoint
     from dsa_trt.export.program import build_network, export_program
     from dsa_trt.export.tiny_checkpoint import write_dequantized_hf_copy
 
     bf16 = Checkpoint(write_dequantized_hf_copy(tiny_ckpt, tmp_path / "bf16"))
     cfg = bf16.config
-    loop = _logits(build_network(bf16, "bf16", torch.bfloat16), cfg)
-    net = build_network(bf16, "bf16", torch.bfloat16, expert_op=True)
+    loop = _logits(build_network(bf16, "bf16", torch.bfloat16, expert_op=False), cfg)
+    net = build_network(bf16, "bf16", torch.bfloat16)  # the expert op is on by default in bf16
     assert torch.equal(_logits(net, cfg), loop)
     moe = net.model.layers[cfg.first_k_dense_replace].mlp
     assert moe.stacked_experts.w13.dtype == torch.bfloat16 and moe.stacked_experts.w13_scale is None
@@ -499,7 +500,14 @@ def test_network_moe_on_the_expert_op(tiny_ckpt, tmp_path):
     fp8_net = build_network(fp8, "bf16", torch.bfloat16, expert_op=True)
     stacked = fp8_net.model.layers[cfg.first_k_dense_replace].mlp.stacked_experts
     assert stacked.w13.dtype == torch.float8_e4m3fn and stacked.w13_scale.dtype == torch.float32
-    err = rel_l2(_logits(fp8_net, cfg), _logits(build_network(fp8, "bf16", torch.bfloat16), cfg))
+    dequant = build_network(fp8, "bf16", torch.bfloat16, weight_format="dequant")
+    assert torch.equal(_logits(dequant, cfg), loop), "dequantised stacked experts = the bf16 checkpoint's"
+    # only the experts W8A8: the fp8 network's Fp8Linears swapped for the dequantised network's Linears
+    for name, m in list(fp8_net.named_modules()):
+        if type(m).__name__ == "Fp8Linear":
+            owner, _, leaf = name.rpartition(".")
+            setattr(fp8_net.get_submodule(owner), leaf, dequant.get_submodule(name))
+    err = rel_l2(_logits(fp8_net, cfg), loop)
     assert 0 < err <= NETWORK_FP8_MOE_REL_L2, f"W8A8 experts moved the logits by rel L2 {err:.4f}"
 
     ep = export_program(net)
@@ -518,17 +526,17 @@ NETWORK_W8A8_REL_L2 = 0.15
 
 
 def test_network_fp8_linears_stay_e4m3(tiny_ckpt):
-    """build_network(fp8_linears=True): each e4m3 Linear of the checkpoint (but kv_b, and the routed
+    """build_network(weight_format="fp8"): each e4m3 Linear of the checkpoint (but kv_b, and the routed
     experts, which the expert op holds) is one dsa::fp8_block_linear on the stored weight and scale."""
     from dsa_trt.export.checkpoint import Checkpoint
     from dsa_trt.export.program import build_network, export_program
 
     ckpt = Checkpoint(tiny_ckpt)
     cfg = ckpt.config
-    net = build_network(ckpt, "bf16", torch.bfloat16, expert_op=True, fp8_linears=True)
+    net = build_network(ckpt, "bf16", torch.bfloat16, weight_format="fp8")
     q_a = net.model.layers[0].self_attn.q_a_proj
     assert torch.equal(q_a.weight.view(torch.uint8), ckpt.raw("model.layers.0.self_attn.q_a_proj.weight").view(torch.uint8))
-    base = _logits(build_network(ckpt, "bf16", torch.bfloat16), cfg)
+    base = _logits(build_network(ckpt, "bf16", torch.bfloat16, weight_format="dequant"), cfg)
     got = _logits(net, cfg)
     err = rel_l2(got, base)
     assert 0 < err <= NETWORK_W8A8_REL_L2, f"W8A8 network: rel L2 {err:.4f} against the dequantised one"
@@ -538,5 +546,3 @@ def test_network_fp8_linears_stay_e4m3(tiny_ckpt):
     ep = export_program(net)
     calls = [n for n in ep.graph.nodes if n.op == "call_function"]
     assert sum(n.target == torch.ops.dsa.fp8_block_linear.default for n in calls) == len(fp8_linears)
-    with pytest.raises(ValueError, match="fp8_linears supports tp_size 1 only"):
-        build_network(ckpt, "bf16", torch.bfloat16, fp8_linears=True, tp_size=2)

@@ -187,14 +187,23 @@ def random_pools(cfg, mode: str, num_pages: int = 16):
 
 
 # ================================================================ inventory, attributes, wiring
-def test_plugin_node_inventory(emitted):
+def test_plugin_node_inventory(emitted, ckpt):
     cfg, _, model = emitted
     made_by = producers(model)
-    per_layer = Counter((layer_of(n, made_by), n.op_type) for n in dsa_nodes(model))
+    attention = [n for n in dsa_nodes(model) if n.op_type in PLUGINS]
+    per_layer = Counter((layer_of(n, made_by), n.op_type) for n in attention)
     for layer in range(cfg.model.num_hidden_layers):
         got = Counter({op: c for (lay, op), c in per_layer.items() if lay == layer})
         assert got == PER_LAYER, f"layer {layer}: {dict(got)} != {dict(PER_LAYER)}"
-    assert len(dsa_nodes(model)) == cfg.model.num_hidden_layers * sum(PER_LAYER.values())
+    assert len(attention) == cfg.model.num_hidden_layers * sum(PER_LAYER.values())
+    # bf16 + an fp8 checkpoint: weight format fp8, so the e4m3 Linears (but kv_b) and the routed experts
+    # are plugin nodes too (one expert node per MoE layer)
+    m = cfg.model
+    assert cfg.weight_format == "fp8"
+    e4m3 = [n for n in ckpt.names() if ckpt.is_fp8(n) and ".experts." not in n and "kv_b_proj" not in n]
+    linears = Counter(n.op_type for n in dsa_nodes(model) if n.op_type not in PLUGINS)
+    assert linears == {"DsaFp8BlockLinear": len(e4m3),
+                       "DsaMoeExperts": m.num_hidden_layers - m.first_k_dense_replace}, dict(linears)
     assert {n.domain for n in model.graph.node} == {"", "dsa"}
     assert {o.domain: o.version for o in model.opset_import} == {"": 21, "dsa": 1}
     assert not [n for n in model.graph.node if n.op_type == "Einsum"], "Einsum has no bf16 in ONNX"
@@ -206,6 +215,10 @@ def test_plugin_attributes(emitted):
     m = cfg.model
     made_by = producers(model)
     for node in dsa_nodes(model):
+        if node.op_type == "DsaFp8BlockLinear":  # the tiny checkpoint's scales are ue8m0 (powers of two)
+            assert attrs(node)["pow2_scales"] == 1, node.name
+        if node.op_type not in PLUGINS:  # the linear operators' fields: plugins/fp8_ops.py
+            continue
         layer = layer_of(node, made_by)
         types = {a.name: onnx.AttributeProto.AttributeType.Name(a.type) for a in node.attribute}
         assert types == {**FIELDS[node.op_type], **{k: "STRING" for k in STRINGS}}, f"{node.name}: {types}"
@@ -223,7 +236,7 @@ def test_wiring(emitted):
     """The data edges TensorRT orders by: readers take the cache writes' outputs (the aliased pools)."""
     _, _, model = emitted
     made_by = producers(model)
-    for node in dsa_nodes(model):
+    for node in (n for n in dsa_nodes(model) if n.op_type in PLUGINS):
         src = {i: made_by.get(x) for i, x in enumerate(node.input)}
         layer = layer_of(node, made_by)
         if node.op_type == "DsaSparseMla":

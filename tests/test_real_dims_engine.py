@@ -65,7 +65,7 @@ def built(real_dims_ckpt, tmp_path_factory) -> tuple[Path, str]:
     log = io.StringIO()
     with contextlib.redirect_stdout(log):
         build_engine(real_dims_ckpt, out, cache_mode="fp8", compiler="aoti", device="cpu", dtype="bfloat16",
-                     calib_file=calib, max_num_tokens=256, expert_op=True, fp8_linears=True)
+                     calib_file=calib, max_num_tokens=256)  # bf16 + fp8 checkpoint: weight format fp8
     print(log.getvalue())
     return out, log.getvalue()
 
@@ -93,8 +93,9 @@ def test_real_dims_engine_runs_like_the_eager_network(built, real_dims_ckpt):
     engine = Engine.load(out)
     cfg = engine.config
     assert isinstance(cfg, EngineConfig) and cfg.cache_mode == "fp8" and cfg.model.hidden_size == 7168
+    assert cfg.weight_format == "fp8"
     net = build_network(Checkpoint(real_dims_ckpt), cfg.cache_mode, torch.bfloat16, cfg.kv_scales,
-                        expert_op=True, fp8_linears=True)
+                        weight_format=cfg.weight_format)
     pools = {k: allocate_pools(cfg.model, cfg.cache_mode, 2) for k in ("compiled", "eager")}
     feed, pos, pages = PROMPT, 0, [1, 0]
     for step_no in range(1 + DECODE_STEPS):

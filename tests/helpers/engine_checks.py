@@ -35,7 +35,9 @@ def teacher_forced_steps(engine_dir, tiny_ckpt, device: str, dtype: torch.dtype,
     cfg = engine.config
     ckpt = Checkpoint(tiny_ckpt)
     dtypes = [dtype] + ([torch.float32] if dtype != torch.float32 else [])
-    nets = {dt: build_network(ckpt, cfg.cache_mode, dt, cfg.kv_scales, device=device) for dt in dtypes}
+    # the engine's weight format at its dtype; the fp32 precision reference dequantises
+    nets = {dt: build_network(ckpt, cfg.cache_mode, dt, cfg.kv_scales, device=device,
+                              weight_format=cfg.weight_format if dt == dtype else "dequant") for dt in dtypes}
     tok = Tokenizer(ckpt.tokenizer_path, cfg.model.bos_token_id, cfg.model.eos_token_id)
     pools = {k: allocate_pools(cfg.model, cfg.cache_mode, 16, device=device) for k in ["compiled"] + dtypes}
     for i, prompt in enumerate(PROMPTS):
