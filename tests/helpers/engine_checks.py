@@ -113,3 +113,84 @@ def teacher_forced_greedy(engine_dir, tiny_ckpt, device: str, dtype: torch.dtype
     assert near_ties * 8 <= len(recs), f"{near_ties} of {len(recs)} steps flipped near ties: more than rounding explains"
     out["near_ties"] = near_ties
     return out
+
+
+# ---------------------------------------------------------------- the fp32 W8A8 precision reference
+def w8a8_linear_fp32(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, pow2: bool) -> torch.Tensor:
+    """The official W8A8 linear (activations e4m3 per 1x128 group, weights e4m3 per 128x128
+    block) with fp32 activations in and fp32 out: no bf16 rounding anywhere. The same function as
+    plugins/fp8_reference.fp8_gemm, summed as one product of the dequantised operands (fp32
+    summation order only: ~1e-6, far below bf16's 4e-3)."""
+    from dsa_trt.plugins.fp8_reference import FP8_BLOCK, act_quant, num_blocks
+
+    q, s_x = act_quant(x, pow2)
+    k, n = x.shape[1], weight.shape[0]
+    xd, wd = q.float(), weight.float()
+    s_w = weight_scale.float().repeat_interleave(FP8_BLOCK, dim=0)[:n]  # [N, KB]: each row's block scales
+    for b in range(num_blocks(k)):  # in place, a K block at a time: no second copy of the weight
+        cols = slice(b * FP8_BLOCK, min(k, (b + 1) * FP8_BLOCK))
+        xd[:, cols] *= s_x[:, b : b + 1]
+        wd[:, cols] *= s_w[:, b : b + 1]
+    return xd @ wd.T
+
+
+class Fp32W8A8Linear(torch.nn.Module):
+    """An Fp8Linear's weights, run by w8a8_linear_fp32 on fp32 activations."""
+
+    def __init__(self, lin):
+        super().__init__()
+        self.lin = lin
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lin = self.lin
+        y = w8a8_linear_fp32(x.reshape(-1, x.shape[-1]).float(), lin.weight, lin.weight_scale_inv, lin.pow2_scales)
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+
+class Fp32W8A8Experts(torch.nn.Module):
+    """A StackedExperts' e4m3 experts in fp32: per local expert, its tokens' gate/up W8A8 linear,
+    SiLU(gate) * up, the down W8A8 linear, weighted and summed in fp32 (dsa::moe_experts' recipe
+    without its bf16 roundings)."""
+
+    def __init__(self, experts):
+        super().__init__()
+        if not experts.fp8:
+            raise ValueError("Fp32W8A8Experts needs e4m3 stacked experts (an fp8-block checkpoint)")
+        self.experts = experts
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        ex = self.experts
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        inter, pow2 = ex.w2.shape[2], ex.pow2_scales
+        for e in range(ex.w13.shape[0]):
+            tok, j = torch.nonzero(ids == e + ex.expert_offset, as_tuple=True)
+            if tok.numel() == 0:
+                continue
+            gate_up = w8a8_linear_fp32(x[tok].float(), ex.w13[e], ex.w13_scale[e], pow2)
+            h = torch.nn.functional.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+            out.index_add_(0, tok, w8a8_linear_fp32(h, ex.w2[e], ex.w2_scale[e], pow2) * weights[tok, j, None].float())
+        return out
+
+
+def w8a8_fp32_reference(net: torch.nn.Module) -> torch.nn.Module:
+    """A bf16 network built with ``weight_format="fp8"`` (W8A8 linears, the expert op), turned in place into the same
+    W8A8 network computing in fp32: the same e4m3 weights and scales, activations quantised to
+    e4m3 by the same recipe, but fp32 wherever the bf16 network rounds to bf16 (every
+    activation, the bf16 weights widened exactly). It is the precision reference of the real-dims
+    engine: its distance to the bf16 network is the noise floor that bf16 rounding sets."""
+    from dsa_trt.export.layers import Fp8Linear, StackedExperts
+
+    for parent in list(net.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, Fp8Linear):
+                setattr(parent, name, Fp32W8A8Linear(child))
+            elif isinstance(child, StackedExperts):
+                setattr(parent, name, Fp32W8A8Experts(child))
+    for mod in net.modules():
+        for key, p in mod._parameters.items():
+            if p is not None and p.dtype == torch.bfloat16:
+                mod._parameters[key] = torch.nn.Parameter(p.float(), requires_grad=False)
+        for key, b in mod._buffers.items():
+            if b is not None and b.dtype == torch.bfloat16:
+                mod._buffers[key] = b.float()
+    return net
