@@ -262,7 +262,13 @@ def worker_loop(engine: Engine) -> int:
                     pools = allocate_pools(cfg.model, cfg.cache_mode, num_pages, engine.device)
                 engine.run(step, *pools)
 
-        guarded(f"step {steps + 1}", run)
+        try:
+            guarded(f"step {steps + 1}", run)
+        except (EPCapacityError, ValueError):
+            # raised on every rank alike, so rank 0 raised it too and hands it to its caller: keep
+            # mirroring. Rank 0 then stops the group or steps on; leaving the loop here would put
+            # this rank in the final barrier while rank 0 broadcasts (a wait for the timeout).
+            pass
         steps += 1
 
 

@@ -216,3 +216,51 @@ def test_ragged_batch_and_short_prompt_equal_one_rank(ep_cp_engine, fp8_engine, 
     assert rank0["batch"] == want, f"EP x CP {rank0['batch']} vs one rank {want}"
     want_single = ref.generate([SINGLE], params)[0].token_ids
     assert rank0["single"] == want_single, f"EP x CP {rank0['single']} vs one rank {want_single}"
+
+
+# ------------------------------------------------ an overflowing exchange under the driver
+OVERFLOW_TIMEOUT_S = 60  # DSA_DIST_TIMEOUT_S of this test: a mismatched collective would wait this long
+
+
+def _overflow_worker(rank, world, port, out_dir, ckpt_dir):
+    import os
+    import time
+
+    from dsa_trt.export.parallel import ParallelConfig
+    from dsa_trt.plugins.collectives import EPCapacityError
+    from dsa_trt.plugins.pools import allocate_pools
+    from dsa_trt.runtime.distributed import run_parallel
+    from dsa_trt.runtime.step_inputs import StepInputs
+
+    from .helpers.ranks import eager_parallel_engine
+
+    # the environment torchrun gives a rank; run_parallel forms the group with DSA_DIST_TIMEOUT_S
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), DSA_DIST_TIMEOUT_S=str(OVERFLOW_TIMEOUT_S))
+    torch.set_num_threads(1)
+
+    def load(rank, world, dev):
+        pc = ParallelConfig(size=world, rank=rank, context_parallel=True, ep_capacity=1)
+        return eager_parallel_engine(ckpt_dir, "fp32", pc)
+
+    def rank0(engine):
+        pools = allocate_pools(engine.config.model, "fp32", 4)
+        try:
+            engine.forward(StepInputs.build([(list(range(2, 40)), 0, [1])]), *pools)  # 19 tokens a rank: > 1 pair
+        except EPCapacityError as e:
+            return str(e)
+        return None
+
+    t0 = time.monotonic()
+    result = run_parallel(load, rank0, device="cpu", context_parallel=world)
+    torch.save({"overflow": result, "seconds": time.monotonic() - t0}, Path(out_dir) / f"rank{rank}.pt")
+
+
+def test_an_overflowing_exchange_is_an_error_not_a_hang(tiny_ckpt, tmp_path):
+    """A step whose exchange overflows ep_capacity raises EPCapacityError on every rank: rank 0
+    hands it to its caller, the other ranks keep mirroring and stop when rank 0 stops them (no
+    collective left unmatched, so no wait for DSA_DIST_TIMEOUT_S)."""
+    rank0, rank1 = spawn(_overflow_worker, P, tmp_path, str(tiny_ckpt))
+    assert rank0["overflow"] and "exchange capacity of 1 pairs" in rank0["overflow"], rank0
+    assert rank1["overflow"] is None
+    assert max(rank0["seconds"], rank1["seconds"]) < OVERFLOW_TIMEOUT_S, (rank0, rank1)
