@@ -154,9 +154,9 @@ def build_engine(checkpoint: str | Path, out: str | Path, tp: int = 1, cache_mod
     out = Path(out)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = dtype or ("bfloat16" if device == "cuda" else "float32")
-    compiler = resolve_compiler(compiler)
-    check_onnx_options(compiler, emit_onnx, cache_mode, device, dtype, tp)
     parallel = ep * cp > 1
+    compiler = "aoti" if parallel and compiler == "auto" else resolve_compiler(compiler)
+    check_onnx_options(compiler, emit_onnx, cache_mode, device, dtype, tp)
     if parallel and (compiler != "aoti" or emit_onnx):
         raise BuildError(f"--ep {ep} --cp {cp}: expert / context-parallel engines are built with --compiler aoti "
                          "only (the TensorRT plugin library has no all-gather / all-to-all plugin); drop "
@@ -213,7 +213,8 @@ def build_engine(checkpoint: str | Path, out: str | Path, tp: int = 1, cache_mod
     torch_dtype = getattr(torch, dtype)
     cfg_out = EngineConfig(
         model=cfg, cache_mode=cache_mode, dtype=dtype, device=device, compiler=compiler, tp_size=tp,
-        ep_size=ep, cp_size=cp, ep_capacity=ep_capacity, max_num_tokens=max_num_tokens, kv_scales=kv_scales, quant_recipe=KV_RECIPE if cache_mode == "fp8" else None,
+        ep_size=ep, cp_size=cp, ep_capacity=ep_capacity, max_num_tokens=max_num_tokens, kv_scales=kv_scales,
+        quant_recipe=KV_RECIPE if cache_mode == "fp8" else None,
         versions={"torch": torch.__version__, "python": sys.version.split()[0]}, mtp_layers=mtp_layers,
     )
     profile = plugin_lib = None
@@ -323,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cache", choices=("fp8", "bf16", "fp32"), default="fp8",
                     help="KV cache format: fp8 (deployed, calibrated), bf16, or fp32 (the exact oracle mode)")
     ap.add_argument("--compiler", choices=("auto", "aoti", "tensorrt"), default="auto",
-                    help="auto: tensorrt when `import tensorrt` works, else aoti (AOTInductor)")
+                    help="auto: tensorrt when `import tensorrt` works, else aoti (AOTInductor); aoti for --ep/--cp")
     ap.add_argument("--device", choices=("cuda", "cpu"), default=None,
                     help="device the engine runs on (default: cuda when a GPU is visible, else cpu)")
     ap.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,

@@ -51,8 +51,8 @@ class Engine:
         cfg = EngineConfig.load(engine_dir)
         if cfg.world_size > 1 and not dist.is_initialized():
             # its programs' collectives would fail on the first step, far from the cause
-            raise EngineDirError(f"{engine_dir}: this {cfg.layout} engine ({cfg.world_size} ranks) runs one process per "
-                                 "rank: use `dsa-trt generate --engine DIR` (it launches them with torchrun), or "
+            raise EngineDirError(f"{engine_dir}: this {cfg.layout} engine ({cfg.world_size} ranks) runs one process "
+                                 "per rank: use `dsa-trt generate --engine DIR` (it launches them with torchrun), or "
                                  "dsa_trt.runtime.distributed.run_engine_dir under torchrun")
         if not 0 <= rank < cfg.world_size:
             raise EngineDirError(f"{engine_dir}: rank {rank} not in [0, {cfg.world_size}) ({cfg.layout})")
