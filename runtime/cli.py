@@ -26,8 +26,12 @@ def _generate(a: argparse.Namespace) -> int:
         print(f"multi-rank engine ({cfg.layout}): launching {cfg.world_size} ranks with torchrun", file=sys.stderr,
               flush=True)
         return distributed.relaunch_with_torchrun(cfg.world_size, ["dsa_trt.runtime.cli", *a.argv])
-    return distributed.run_engine_dir(
-        a.engine, lambda engine: _generate_with(LLM(engine, speculative=a.speculative), a)) or 0
+    try:
+        return distributed.run_engine_dir(
+            a.engine, lambda engine: _generate_with(LLM(engine, speculative=a.speculative), a)) or 0
+    except distributed.EPCapacityError as e:  # every rank raised it: rank 0 says so, once
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
 
 def _generate_with(llm, a: argparse.Namespace) -> int:

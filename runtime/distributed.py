@@ -127,6 +127,10 @@ def guarded(what: str, fn: Callable[[], T]) -> T:
     except (EPCapacityError, ValueError):
         raise
     except RuntimeError as e:
+        if str(e).startswith(f"{EPCapacityError.__name__}: "):
+            # the op's error out of a compiled program: AOTInductor's proxy executor re-raises the
+            # Python exception as a RuntimeError("<type>: <message>"); it is still every rank's
+            raise EPCapacityError(str(e).split(": ", 1)[1].splitlines()[0]) from e
         if not dist.is_initialized():
             raise
         raise RankFailure(f"rank {dist.get_rank()} of {dist.get_world_size()}: {what} failed: {describe_peers()}; "

@@ -10,7 +10,9 @@ p: one rank holds padding only), and of a single prompt (every decode step padde
 one-rank engine's. Tokens are compared exactly: the CP ranks write the one-rank caches (the
 latents are gathered before fp8 quantisation) and the EP combine adds the pairs in the one-rank
 order, so only fp32 row-batch rounding differs (logits within 2e-2 in test_context_parallel.py),
-far from the greedy margins of these prompts.
+which would have to flip a greedy choice to fail these tests. The engine is built with a static
+``ep_capacity`` that these steps fit; a prefill past it is an EPCapacityError out of the compiled
+programs on every rank, handed to rank 0's caller within seconds (no rank left waiting).
 
 The layouts the engine directory refuses, with the message that says how to fix them, and the
 engine_config.json round trip need no build and run in the fast suite.
@@ -38,6 +40,12 @@ CLI_PROMPTS = ["Hello world", "The quick brown fox jumps over the lazy dog becau
 ID_PROMPTS = [[7], list(range(3, 40)), [11, 12, 13, 14, 15]]  # ragged; the first is shorter than p
 SINGLE = list(range(20, 29))
 NUM_PAGES = 16
+# a static exchange bound: every step of the equality tests fits it (at most 58 tokens, so <= 29 a
+# rank and <= 58 pairs to one destination, k = 2), OVERFLOW's prefill cannot (200 tokens a rank
+# send 400 pairs over 2 destinations: >= 200 to one)
+EP_CAPACITY = 96
+OVERFLOW = list(range(2, 402))
+OVERFLOW_TIMEOUT_S = 60  # DSA_DIST_TIMEOUT_S there: a collective left unmatched would wait this long
 
 
 def _config(model: ModelConfig, **kw) -> EngineConfig:
@@ -126,14 +134,15 @@ def ep_cp_engine(tiny_ckpt, fp8_engine, tmp_path_factory) -> Path:
 
     out = tmp_path_factory.mktemp("engines") / "tiny-ep2-cp2-fp8"
     build_engine(tiny_ckpt, out, cache_mode="fp8", compiler="aoti", device="cpu", dtype="float32", ep=P, cp=P,
-                 kv_calibration=fp8_engine / "quant" / "fp8-kv-per-layer.json")
+                 ep_capacity=EP_CAPACITY, kv_calibration=fp8_engine / "quant" / "fp8-kv-per-layer.json")
     return out
 
 
 @pytest.mark.slow
 def test_engine_dir_holds_every_rank(ep_cp_engine, fp8_engine, tiny_ckpt):
     cfg = EngineConfig.load(ep_cp_engine)
-    assert (cfg.ep_size, cfg.cp_size, cfg.world_size, cfg.mtp_layers) == (P, P, P, 0)  # --no-mtp implied
+    assert (cfg.ep_size, cfg.cp_size, cfg.ep_capacity, cfg.world_size, cfg.mtp_layers) == (P, P, EP_CAPACITY, P, 0)
+    # (mtp_layers 0: --no-mtp implied)
     assert cfg.kv_scales == EngineConfig.load(fp8_engine).kv_scales
     files = json.loads((ep_cp_engine / MANIFEST_NAME).read_text())["files"]
     for r in range(P):
@@ -218,49 +227,40 @@ def test_ragged_batch_and_short_prompt_equal_one_rank(ep_cp_engine, fp8_engine, 
     assert rank0["single"] == want_single, f"EP x CP {rank0['single']} vs one rank {want_single}"
 
 
-# ------------------------------------------------ an overflowing exchange under the driver
-OVERFLOW_TIMEOUT_S = 60  # DSA_DIST_TIMEOUT_S of this test: a mismatched collective would wait this long
-
-
-def _overflow_worker(rank, world, port, out_dir, ckpt_dir):
+def _overflow_worker(rank, world, port, out_dir, engine_dir):
     import os
     import time
 
-    from dsa_trt.export.parallel import ParallelConfig
     from dsa_trt.plugins.collectives import EPCapacityError
-    from dsa_trt.plugins.pools import allocate_pools
-    from dsa_trt.runtime.distributed import run_parallel
-    from dsa_trt.runtime.step_inputs import StepInputs
+    from dsa_trt.runtime.distributed import run_engine_dir
+    from dsa_trt.runtime.llm import LLM
+    from dsa_trt.runtime.sampling import SamplingParams
 
-    from .helpers.ranks import eager_parallel_engine
-
-    # the environment torchrun gives a rank; run_parallel forms the group with DSA_DIST_TIMEOUT_S
+    # the environment torchrun gives a rank: run_parallel forms the group with DSA_DIST_TIMEOUT_S
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port), DSA_DIST_TIMEOUT_S=str(OVERFLOW_TIMEOUT_S))
     torch.set_num_threads(1)
 
-    def load(rank, world, dev):
-        pc = ParallelConfig(size=world, rank=rank, context_parallel=True, ep_capacity=1)
-        return eager_parallel_engine(ckpt_dir, "fp32", pc)
-
     def rank0(engine):
-        pools = allocate_pools(engine.config.model, "fp32", 4)
         try:
-            engine.forward(StepInputs.build([(list(range(2, 40)), 0, [1])]), *pools)  # 19 tokens a rank: > 1 pair
+            LLM(engine, num_pages=NUM_PAGES).generate([OVERFLOW], SamplingParams(temperature=0.0, max_tokens=2))
         except EPCapacityError as e:
             return str(e)
-        return None
+        return "no error"
 
     t0 = time.monotonic()
-    result = run_parallel(load, rank0, device="cpu", context_parallel=world)
+    result = run_engine_dir(engine_dir, rank0, device="cpu")
     torch.save({"overflow": result, "seconds": time.monotonic() - t0}, Path(out_dir) / f"rank{rank}.pt")
 
 
-def test_an_overflowing_exchange_is_an_error_not_a_hang(tiny_ckpt, tmp_path):
-    """A step whose exchange overflows ep_capacity raises EPCapacityError on every rank: rank 0
-    hands it to its caller, the other ranks keep mirroring and stop when rank 0 stops them (no
-    collective left unmatched, so no wait for DSA_DIST_TIMEOUT_S)."""
-    rank0, rank1 = spawn(_overflow_worker, P, tmp_path, str(tiny_ckpt))
-    assert rank0["overflow"] and "exchange capacity of 1 pairs" in rank0["overflow"], rank0
+@pytest.mark.slow
+def test_an_overflowing_exchange_is_an_error_not_a_hang(ep_cp_engine, tmp_path):
+    """A prefill past ep_capacity raises EPCapacityError on every rank, out of the compiled programs
+    (which re-raise the op's error as a RuntimeError: the driver gives it its type back): rank 0
+    hands it to its caller, the other rank keeps mirroring until rank 0 stops it; no collective is
+    left unmatched, so nobody waits for DSA_DIST_TIMEOUT_S."""
+    rank0, rank1 = spawn(_overflow_worker, P, tmp_path, str(ep_cp_engine))
+    assert f"exchange capacity of {EP_CAPACITY} pairs" in rank0["overflow"], rank0
+    assert "--ep-capacity" in rank0["overflow"], rank0
     assert rank1["overflow"] is None
     assert max(rank0["seconds"], rank1["seconds"]) < OVERFLOW_TIMEOUT_S, (rank0, rank1)
