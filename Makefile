@@ -11,6 +11,9 @@ TINY_ARGS ?= --trained
 TRAINED_WEIGHTS := export/data/tiny_trained.safetensors
 OUT ?= engines/tiny-v32
 TP ?= 1
+# EP=P CP=P: one expert- / context-parallel group of P ranks (COMPILER=aoti; EP alone is refused)
+EP ?= 1
+CP ?= 1
 CACHE ?= fp8
 COMPILER ?= auto
 
@@ -42,7 +45,7 @@ checkpoints/tiny-v32-trained/config.json: $(TRAINED_WEIGHTS)
 
 # The prompts open paragraphs of the corpus the default model was trained on: it continues them.
 engine: setup $(CHECKPOINT)/config.json
-	$(PY) -m dsa_trt.builder.build --checkpoint $(CHECKPOINT) --out $(OUT) --tp $(TP) --cache $(CACHE) --compiler $(COMPILER)
+	$(PY) -m dsa_trt.builder.build --checkpoint $(CHECKPOINT) --out $(OUT) --tp $(TP) --ep $(EP) --cp $(CP) --cache $(CACHE) --compiler $(COMPILER)
 	$(PY) -m dsa_trt.runtime.cli generate --engine $(OUT) --max-tokens 32 --temperature 0 \
 		--prompt "In the first week of January the sea" --prompt "Bread is made of four things:" \
 		--prompt "Why do the stars twinkle?"

@@ -1,11 +1,15 @@
 """`make engine`: checkpoint -> calibrate -> export -> compile, one engine per rank (docs/architecture.md §2).
 
-    python -m dsa_trt.builder.build --checkpoint DIR --out ENGINE_DIR [--tp 1] [--cache fp8]
+    python -m dsa_trt.builder.build --checkpoint DIR --out ENGINE_DIR [--tp 1 | --ep P --cp P] [--cache fp8]
 
 Calibration (fp8 cache) runs ModelOpt fp8 PTQ once on the full network (the MLA latent is
 replicated across ranks, so every rank gets the same per-layer scales) and writes
 quant/fp8-kv-per-layer.json. With --tp N every rank's network is sliced from the checkpoint at
-export time (export/sharding.py) and exported and compiled into rank<r>.* files.
+export time (export/sharding.py) and exported and compiled into rank<r>.* files. With --ep P
+and/or --cp P the P rank programs of one expert- / context-parallel group (export/parallel.py)
+are: attention and caches whole on every rank, routed experts split over the ranks (--ep), each
+step's tokens interleaved over them (--cp). Expert parallelism is built with context
+parallelism only (--ep P --cp P); such engines have no MTP draft program (--no-mtp implied).
 """
 
 from __future__ import annotations
@@ -25,8 +29,9 @@ from tqdm import tqdm
 from dsa_trt.calibration.kv_scale import KV_RECIPE, token_sequences
 from dsa_trt.calibration.modelopt_kv import CalibrationError, KVCalibration, calibrate_kv_cache
 from dsa_trt.config import ConfigError
-from dsa_trt.engine_config import EngineConfig, write_manifest
+from dsa_trt.engine_config import EngineConfig, parallel_problems, write_manifest
 from dsa_trt.export.checkpoint import Checkpoint, CheckpointError
+from dsa_trt.export.parallel import ParallelConfig
 from dsa_trt.export.program import build_network, export_program, network_skeleton
 from dsa_trt.export.sharding import check_tp
 from dsa_trt.plan import check_fits
@@ -143,17 +148,30 @@ def build_engine(checkpoint: str | Path, out: str | Path, tp: int = 1, cache_mod
                  calib_file: str | Path | None = None, max_num_tokens: int = 8192,
                  emit_onnx: bool = False, kv_calibration: str | Path | None = None,
                  gpu_memory_gb: float | None = None, expert_op: bool | None = None,
-                 weight_format: str = "auto", mtp: bool = True) -> EngineConfig:
+                 weight_format: str = "auto", mtp: bool = True, ep: int = 1, cp: int = 1,
+                 ep_capacity: int | None = None) -> EngineConfig:
     """``weight_format`` ("auto" | "fp8" | "dequant"; export/layers.py resolve_weight_format) and
     ``expert_op`` (None: on for bf16): build_network's options, for every program of the engine.
     ``mtp``: also compile the checkpoint's MTP layer as the draft program rank<r>.mtp.* (when it
-    has one)."""
+    has one). ``ep`` / ``cp`` / ``ep_capacity``: an expert- / context-parallel group
+    (export/parallel.py)."""
     t0 = time.perf_counter()
     out = Path(out)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = dtype or ("bfloat16" if device == "cuda" else "float32")
-    compiler = resolve_compiler(compiler)
+    parallel = ep * cp > 1
+    compiler = "aoti" if parallel and compiler == "auto" else resolve_compiler(compiler)
     check_onnx_options(compiler, emit_onnx, cache_mode, device, dtype, tp)
+    if parallel and (compiler != "aoti" or emit_onnx):
+        raise BuildError(f"--ep {ep} --cp {cp}: expert / context-parallel engines are built with --compiler aoti "
+                         "only (the TensorRT plugin library has no all-gather / all-to-all plugin); drop "
+                         f"{'--emit-onnx' if emit_onnx else '--compiler ' + compiler}")
+    if parallel and mtp:
+        # the context-parallel network returns only the logits rows (the draft program needs every
+        # token's hidden state, gathered), and a draft program replicated on every rank would hold
+        # a whole MoE layer per rank: parallel engines decode without speculation
+        _log(f"--ep {ep} --cp {cp}: no MTP draft program for expert / context-parallel engines (--no-mtp implied)", t0)
+        mtp = False
     if device == "cuda":
         from dsa_trt.plugins import cuda_ops
 
@@ -166,13 +184,17 @@ def build_engine(checkpoint: str | Path, out: str | Path, tp: int = 1, cache_mod
     cfg = ckpt.config
     mtp_layers = min(1, cfg.num_nextn_predict_layers) if mtp else 0  # one draft layer, reused recurrently
     check_tp(cfg, tp)
+    if problems := parallel_problems(cfg, tp, ep, cp, ep_capacity, max_num_tokens):
+        raise BuildError("; ".join(problems))
+    world = max(tp, ep, cp)
     try:  # before any compile: a garbage tokenizer.json would only fail when the engine serves
         Tokenizer(ckpt.tokenizer_path, cfg.bos_token_id, cfg.eos_token_id)
     except Exception as e:  # noqa: BLE001 - the tokenizers library raises bare Exceptions
         raise BuildError(f"{ckpt.tokenizer_path}: not a readable tokenizer.json ({e}); copy it again from the "
                          "original model repository") from None
     if gpu_memory_gb is not None:  # refuse before any work a layout whose ranks cannot hold weights + a step's cache
-        plan = check_fits(cfg, tp, tp, gpu_memory_gb, cache_mode=cache_mode, min_cache_tokens=max_num_tokens)
+        plan = check_fits(cfg, tp, ep if parallel else tp, gpu_memory_gb, cp=cp, cache_mode=cache_mode,
+                          min_cache_tokens=max_num_tokens)
         _log(f"plan fits: {plan.ranks[0].weight_bytes / 1e9:.1f} GB of weights per rank, "
              f"{plan.tokens_per_group:,} cache tokens in {gpu_memory_gb:g} GB", t0)
     _log(f"checkpoint {checkpoint}: {cfg.model_type}, {cfg.num_hidden_layers} layers, validated", t0)
@@ -198,7 +220,8 @@ def build_engine(checkpoint: str | Path, out: str | Path, tp: int = 1, cache_mod
 
     cfg_out = EngineConfig(
         model=cfg, cache_mode=cache_mode, dtype=dtype, device=device, compiler=compiler, tp_size=tp,
-        max_num_tokens=max_num_tokens, kv_scales=kv_scales, quant_recipe=KV_RECIPE if cache_mode == "fp8" else None,
+        ep_size=ep, cp_size=cp, ep_capacity=ep_capacity, max_num_tokens=max_num_tokens, kv_scales=kv_scales,
+        quant_recipe=KV_RECIPE if cache_mode == "fp8" else None,
         versions={"torch": torch.__version__, "python": sys.version.split()[0]}, mtp_layers=mtp_layers,
         weight_format=weight_format,
     )
@@ -213,8 +236,9 @@ def build_engine(checkpoint: str | Path, out: str | Path, tp: int = 1, cache_mod
     net_options = {"expert_op": expert_op, "weight_format": weight_format}
     if compiler == "aoti":
         cfg_out.weights = "safetensors"  # rank<N>.weights.safetensors beside each program (dsa_trt/weights_file.py)
-    for rank in range(tp):
+    for rank in range(world):
         name = cfg_out.rank_file(rank)
+        group = ParallelConfig(world, rank, ep > 1, cp > 1, ep_capacity) if parallel else None
         with PeakRSS() as rss:
             stats = {}
             if compiler == "aoti":  # streamed: a tensor at a time into the weights file, then export + compile
@@ -222,8 +246,8 @@ def build_engine(checkpoint: str | Path, out: str | Path, tp: int = 1, cache_mod
                 try:
                     stats = build_rank(ckpt, out, rank, name, cache_mode=cache_mode, dtype=torch_dtype,
                                        kv_scales=kv_scales, device=device, tp_size=tp, max_num_tokens=max_num_tokens,
-                                       return_hidden=bool(mtp_layers),
-                                       progress=_bar(f"weights rank {rank}/{tp}", unit="tensor"), **net_options)
+                                       return_hidden=bool(mtp_layers), parallel=group,
+                                       progress=_bar(f"weights rank {rank}/{world}", unit="tensor"), **net_options)
                 except (PackageLinkError, WeightsFileError) as e:
                     raise BuildError(str(e)) from e
             if compiler == "tensorrt" or emit_onnx:
@@ -303,8 +327,8 @@ def build_summary(out: Path, cfg: EngineConfig, rank_stats: list[dict] | None = 
     memory, the weight format, cache bytes per token, tokens per GiB."""
     bpt = cfg.cache_bytes_per_token
     lines = [f"  engine      {out}  ({cfg.model.model_type}, {cfg.compiler} on {cfg.device}, {cfg.dtype}, "
-             f"cache {cfg.cache_mode}, weights {cfg.weight_format})"]
-    for rank in range(cfg.tp_size):
+             f"cache {cfg.cache_mode}, weights {cfg.weight_format}, {cfg.layout})"]
+    for rank in range(cfg.world_size):
         name = cfg.rank_file(rank)
         line = f"  rank {rank:<6} {name} {(out / name).stat().st_size / 2**20:.1f} MiB"
         if (w := cfg.rank_weights_file(rank)) is not None:
@@ -345,10 +369,17 @@ def main(argv: list[str] | None = None) -> int:
                     help="Hugging Face checkpoint directory (DeepSeek-V3.2 / GLM-5 layout), e.g. checkpoints/tiny-v32")
     ap.add_argument("--out", required=True, help="engine directory to write (created; rank<N>.* files, engine.json)")
     ap.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks: one engine per rank")
+    ap.add_argument("--ep", type=int, default=1,
+                    help="expert-parallel ranks: routed experts split over P ranks and exchanged (needs --cp P too)")
+    ap.add_argument("--cp", type=int, default=1,
+                    help="context-parallel ranks: each step's tokens interleaved over P ranks, caches whole on each")
+    ap.add_argument("--ep-capacity", type=int, default=None,
+                    help="with --ep: (token, expert) pairs one rank may send to one rank per step, a static bound "
+                         "(default: the step's worst case, which never overflows)")
     ap.add_argument("--cache", choices=("fp8", "bf16", "fp32"), default="fp8",
                     help="KV cache format: fp8 (deployed, calibrated), bf16, or fp32 (the exact oracle mode)")
     ap.add_argument("--compiler", choices=("auto", "aoti", "tensorrt"), default="auto",
-                    help="auto: tensorrt when `import tensorrt` works, else aoti (AOTInductor)")
+                    help="auto: tensorrt when `import tensorrt` works, else aoti (AOTInductor); aoti for --ep/--cp")
     ap.add_argument("--device", choices=("cuda", "cpu"), default=None,
                     help="device the engine runs on (default: cuda when a GPU is visible, else cpu)")
     ap.add_argument("--dtype", choices=("bfloat16", "float32"), default=None,
@@ -372,7 +403,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         build_engine(a.checkpoint, a.out, a.tp, a.cache, a.compiler, a.device, a.dtype, a.calib_file, a.max_num_tokens,
                      emit_onnx=a.emit_onnx, kv_calibration=a.kv_calibration, gpu_memory_gb=a.gpu_memory_gb,
-                     weight_format=a.weight_format, mtp=not a.no_mtp)
+                     weight_format=a.weight_format, mtp=not a.no_mtp, ep=a.ep, cp=a.cp,
+                     ep_capacity=a.ep_capacity)
     except (BuildError, CalibrationError, CheckpointError, ConfigError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

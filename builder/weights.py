@@ -14,6 +14,7 @@ left is a fixed overhead: the interpreter with torch and Inductor loaded, and th
 
 from __future__ import annotations
 
+import functools
 import os
 import resource
 import threading
@@ -23,6 +24,8 @@ from pathlib import Path
 import torch
 
 from dsa_trt.export.checkpoint import Checkpoint
+from dsa_trt.export.network import DSAForCausalLM
+from dsa_trt.export.parallel import ParallelConfig, ParallelDSAForCausalLM, export_parallel_program
 from dsa_trt.export.program import (Progress, checkpoint_tensors, derived_buffers, export_program, network_skeleton,
                                     set_tensor)
 from dsa_trt.weights_file import (ConstantSpec, WeightsFileError, WeightsWriter, check_against_table, constant_table,
@@ -98,18 +101,28 @@ def largest_layer_bytes(specs: dict[str, ConstantSpec]) -> int:
 def build_rank(ckpt: Checkpoint, out: Path, rank: int, package_name: str, *, cache_mode: str, dtype: torch.dtype,
                kv_scales: list[float], device: str, tp_size: int, max_num_tokens: int,
                expert_op: bool | None = None, weight_format: str = "auto", return_hidden: bool = False,
-               progress: Progress | None = None) -> dict:
+               progress: Progress | None = None, parallel: ParallelConfig | None = None) -> dict:
     """Write ``out/rank<r>.weights.safetensors`` and ``out/<package_name>`` (no constants inside).
-    Returns the numbers the build summary prints. ``expert_op`` / ``weight_format``: build_network's."""
+    Returns the numbers the build summary prints. ``expert_op`` / ``weight_format``: build_network's.
+
+    ``parallel``: rank ``parallel.rank`` of an expert / context-parallel group (export/parallel.py;
+    ``tp_size`` 1). It streams like a TP rank: its skeleton holds only its own routed experts, so
+    the stream reads and writes only those, and every other tensor whole."""
     t0 = time.perf_counter()
-    net = network_skeleton(ckpt, cache_mode, dtype, rank, tp_size, expert_op, weight_format)
+    tp_rank, export, cls = rank, export_program, DSAForCausalLM
+    if parallel is not None:
+        if parallel.rank != rank or tp_size != 1:
+            raise ValueError(f"build_rank: rank {rank} / tp_size {tp_size} with {parallel}")
+        tp_rank, export = 0, export_parallel_program  # nothing is sliced by tp
+        cls = functools.partial(ParallelDSAForCausalLM, parallel=parallel)
+    net = network_skeleton(ckpt, cache_mode, dtype, tp_rank, tp_size, expert_op, weight_format, network_cls=cls)
     net.return_hidden = return_hidden  # the MTP draft program's input (export/mtp.py)
     specs = network_specs(net)
     wpath = out / weights_file_name(rank)
     derived = derived_buffers(net)
     with WeightsWriter(wpath, specs) as writer:
         group = None
-        for name, t in checkpoint_tensors(ckpt, net, rank, tp_size, progress):
+        for name, t in checkpoint_tensors(ckpt, net, tp_rank, tp_size, progress):
             if group is not None and _group(name) != group:
                 ckpt.close()  # unmap the shards: their pages would stay resident for the whole build
             group = _group(name)
@@ -129,7 +142,7 @@ def build_rank(ckpt: Checkpoint, out: Path, rank: int, package_name: str, *, cac
     _buffers_as_parameters(net)
     net.set_kv_scales(kv_scales)
     net.eval()
-    ep = export_program(net, max_num_tokens=max_num_tokens, device=device)
+    ep = export(net, max_num_tokens=max_num_tokens, device=device)
     t_export = time.perf_counter() - t0 - t_write
     compile_package(ep, out / package_name, external_weights=True)
     del ep, net

@@ -2,7 +2,8 @@
 
 engine_dir/
   engine_config.json        this schema
-  rank<N>.<ext>             the program of rank N (one step): .pt2 (AOTInductor) or .plan (TensorRT)
+  rank<N>.<ext>             the program of rank N (one step): .pt2 (AOTInductor) or .plan (TensorRT);
+                            N in [0, world_size): tp_size ranks, or the ep/cp group (export/parallel.py)
   rank<N>.weights.safetensors  rank N's weights, outside its .pt2 (``weights: "safetensors"``;
                             dsa_trt/weights_file.py: names, dtypes and shapes of the program's constants)
   rank<N>.mtp.<ext>         the MTP draft program of rank N (export/mtp.py), when mtp_layers > 0
@@ -46,6 +47,12 @@ class EngineConfig:
     device: str  # "cuda" or "cpu": where the programs were compiled to run
     compiler: str  # aoti | tensorrt | eager
     tp_size: int = 1
+    # expert / context parallelism over one group of world_size ranks (export/parallel.py): ep_size
+    # splits the routed experts (exchanged by dsa::ep_all_to_all), cp_size interleaves each step's
+    # tokens; ep_capacity: the exchange's pairs per destination and step (None: the step's worst case)
+    ep_size: int = 1
+    cp_size: int = 1
+    ep_capacity: int | None = None
     page_size: int = PAGE_SIZE
     max_num_tokens: int = 8192  # largest packed step the programs accept
     max_batch: int = 256
@@ -73,6 +80,11 @@ class EngineConfig:
             problems.append(f"compiler {self.compiler!r} not in {tuple(COMPILERS)}")
         if self.tp_size < 1 or self.model.num_attention_heads % self.tp_size:
             problems.append(f"tp_size {self.tp_size} must divide num_attention_heads {self.model.num_attention_heads}")
+        problems += parallel_problems(self.model, self.tp_size, self.ep_size, self.cp_size, self.ep_capacity,
+                                      self.max_num_tokens)
+        if self.mtp_layers and self.ep_size * self.cp_size > 1:
+            problems.append(f"mtp_layers {self.mtp_layers} with ep_size {self.ep_size} / cp_size {self.cp_size}: "
+                            "expert / context-parallel engines have no MTP draft program (build them with --no-mtp)")
         if self.page_size != PAGE_SIZE:
             problems.append(f"page_size {self.page_size}: this runtime supports {PAGE_SIZE}")
         if self.weights not in WEIGHTS_FORMATS:
@@ -91,6 +103,17 @@ class EngineConfig:
             raise EngineDirError("engine_config.json: " + "; ".join(problems))
 
     # derived
+    @property
+    def world_size(self) -> int:
+        """Ranks to launch: one process (and one rank<N> program) each."""
+        return max(self.tp_size, self.ep_size, self.cp_size)
+
+    @property
+    def layout(self) -> str:
+        """The parallel layout in words, e.g. "tp=2" or "ep=2 x cp=2" ("one rank" when none)."""
+        parts = [f"{k}={v}" for k, v in (("tp", self.tp_size), ("ep", self.ep_size), ("cp", self.cp_size)) if v > 1]
+        return " x ".join(parts) or "one rank"
+
     @property
     def cache_bytes_per_token(self) -> int:
         return self.model.cache_bytes_per_token(self.cache_mode)
@@ -149,14 +172,42 @@ class EngineConfig:
         return cfg
 
     def check_files(self, engine_dir: Path) -> None:
-        missing = [f for r in range(self.tp_size) for f in self.rank_files(r) if not (engine_dir / f).is_file()]
+        missing = [f for r in range(self.world_size) for f in self.rank_files(r) if not (engine_dir / f).is_file()]
         if not (engine_dir / self.tokenizer).is_file():
             missing.append(self.tokenizer)
         if missing:
             raise EngineDirError(
-                f"{engine_dir}: missing {', '.join(missing)} (tp_size={self.tp_size}, compiler={self.compiler}); "
+                f"{engine_dir}: missing {', '.join(missing)} ({self.layout}, compiler={self.compiler}); "
                 "the directory is incomplete: rebuild it with `make engine`"
             )
+
+
+def parallel_problems(model: ModelConfig, tp: int, ep: int, cp: int, ep_capacity: int | None = None,
+                      max_num_tokens: int | None = None) -> list[str]:
+    """What is wrong with a tp / ep / cp layout (empty: it can be built and served). One list for
+    the builder (before any work) and engine_config.json (on load)."""
+    if min(tp, ep, cp) < 1:
+        return [f"tp={tp}, ep={ep}, cp={cp}: each must be >= 1"]
+    problems = []
+    if tp > 1 and ep * cp > 1:
+        problems.append(f"tp={tp} with ep={ep} / cp={cp}: expert / context parallelism replicates the attention; "
+                        "combining it with tensor parallelism is not implemented (use either --tp or --ep/--cp)")
+    if ep > 1 and cp > 1 and ep != cp:
+        problems.append(f"ep={ep} and cp={cp}: both run over one group of ranks; give them the same size")
+    if ep > 1 and cp == 1:
+        # every rank would receive the same step: correct, but each (token, expert) pair would be
+        # computed ep times; context parallelism gives each rank its own share of the tokens
+        problems.append(f"ep={ep} without cp: expert parallelism is served with context-parallel attention over "
+                        f"the same ranks; build with --ep {ep} --cp {ep}")
+    if ep > 1 and model.n_routed_experts % ep:
+        problems.append(f"ep={ep} does not divide n_routed_experts = {model.n_routed_experts}; choose an "
+                        "expert-parallel size that divides it")
+    if ep_capacity is not None and (ep == 1 or ep_capacity < 1):
+        problems.append(f"ep_capacity {ep_capacity}: needs ep > 1 and a value >= 1 (or none: the step's worst case)")
+    if cp > 1 and max_num_tokens is not None and max_num_tokens % cp:
+        problems.append(f"max_num_tokens {max_num_tokens} is not a multiple of cp={cp}: a context-parallel step "
+                        "is padded to a multiple of cp; choose a multiple")
+    return problems
 
 
 # ------------------------------------------------------------------------------ the manifest
@@ -209,7 +260,7 @@ def write_manifest(engine_dir: str | Path, cfg: EngineConfig) -> Path:
     engine_dir = Path(engine_dir)
     raw = json.loads((engine_dir / ENGINE_CONFIG_NAME).read_text())
     tie = config_sha256(raw)
-    programs = {f for r in range(cfg.tp_size) for f in cfg.rank_files(r)}
+    programs = {f for r in range(cfg.world_size) for f in cfg.rank_files(r)}
     names = sorted(p.relative_to(engine_dir).as_posix() for p in engine_dir.rglob("*")
                    if p.is_file() and p.name != MANIFEST_NAME and p.parent.name != "__pycache__"
                    and p.relative_to(engine_dir).as_posix() != ENGINE_CONFIG_NAME)
@@ -288,7 +339,7 @@ def verify_engine_files(engine_dir: str | Path, cfg: EngineConfig, rank: int = 0
     check_config_tie(engine_dir, json.loads((engine_dir / ENGINE_CONFIG_NAME).read_text()), manifest)
     files = manifest["files"]
     mine = set(cfg.rank_files(rank))
-    others = {f for r in range(cfg.tp_size) for f in cfg.rank_files(r)} - mine
+    others = {f for r in range(cfg.world_size) for f in cfg.rank_files(r)} - mine
     # this rank's programs and the shared files; other ranks' programs and the ONNX are not loaded here
     names = sorted(n for n in files if n not in others and not n.startswith("onnx/"))
     for name in sorted(mine - set(files)):

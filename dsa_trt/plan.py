@@ -5,11 +5,16 @@ plan that cannot fit (:func:`check_fits`) and ``dsa-trt plan`` prints it (:func:
 
 The layout (issue 25; export/sharding.py is today's TP-only network):
 
-* ``world = max(tp, ep)`` ranks; both tp and ep divide it.
+* ``world = max(tp, ep)`` ranks; both tp and ep divide it; or, with ``cp`` > 1 (context-parallel
+  attention, what ``dsa-trt build --cp P [--ep P]`` builds: export/parallel.py), ``world = cp``
+  ranks with tp = 1 and ep in {1, cp}.
 * Attention: heads split over ``tp`` ranks (rows of q_b / kv_b, columns of o_proj); q_a / kv_a,
   their norms and the whole indexer are replicated, since the 576-byte latent and the indexer key
   are per token. When ``world > tp`` the ``dp = world / tp`` attention groups are data-parallel:
-  each group serves its own sequences, so a token's cache lives in one group only.
+  each group serves its own sequences, so a token's cache lives in one group only (the builder
+  does not build this: ``Plan.build_flags`` is None). With ``cp`` the attention is replicated as
+  well, but the ranks form one group: each step's tokens are interleaved over them and every rank
+  caches every token (dp = 1).
 * Dense MLPs and the shared experts: intermediate dim split over the ``tp`` ranks of a group.
 * Routed experts: ``n_routed_experts / ep`` whole experts per rank (rank r holds those of
   expert-parallel rank ``r % ep``); the router is replicated.
@@ -98,9 +103,11 @@ class Plan:
     num_layers: int  # cache layers: decoder layers (+ the MTP layer with include_mtp)
     tp: int
     ep: int
+    cp: int  # context-parallel ranks (1: none)
     world_size: int
-    dp: int  # data-parallel attention groups (1: tensor-parallel attention only)
-    attention: str  # "tp" or "dp"
+    dp: int  # data-parallel attention groups (1: tensor- or context-parallel attention only)
+    attention: str  # "tp", "dp" or "cp"
+    build_flags: str | None  # the `dsa-trt build` flags of this layout; None: the builder does not build it
     weights: str  # "fp8-block" | "bf16-dequantised" | "bf16"
     cache_mode: str
     vocab_split: bool
@@ -207,12 +214,24 @@ def _rank_bytes(cfg: ModelConfig, fixed: dict, experts: dict, tp: int, ep: int, 
 
 
 # ----------------------------------------------------------------------------- the plan
+def build_flags(tp: int, ep: int, cp: int) -> str | None:
+    """The `dsa-trt build` flags that build this layout, or None. --tp N splits whole experts over
+    its N ranks too (ep = tp); expert parallelism otherwise runs with context parallelism."""
+    if cp > 1:
+        return f"--ep {ep} --cp {cp}" if ep > 1 else f"--cp {cp}"
+    return f"--tp {tp}" if ep == tp else None
+
+
 def make_plan(cfg: ModelConfig, tp: int = 1, ep: int | None = None, gpu_memory_gb: float = 141.0,
               batch: int = 1, cache_mode: str = "fp8", weights: str = "stored", vocab_split: bool = False,
               include_mtp: bool = False, reserve_gb: float = DEFAULT_RESERVE_GB,
-              min_cache_tokens: int = DEFAULT_MIN_CACHE_TOKENS) -> Plan:
-    """Per-rank weight bytes, cache bytes per token, the tokens the pool holds, the longest context."""
-    ep = tp if ep is None else ep
+              min_cache_tokens: int = DEFAULT_MIN_CACHE_TOKENS, cp: int = 1) -> Plan:
+    """Per-rank weight bytes, cache bytes per token, the tokens the pool holds, the longest context.
+    ``cp`` > 1: context-parallel attention over one group of cp ranks (tp 1, ep 1 or cp)."""
+    ep = (tp if cp == 1 else 1) if ep is None else ep
+    if cp < 1 or (cp > 1 and (tp != 1 or ep not in (1, cp))):
+        raise PlanError(f"tp={tp}, ep={ep}, cp={cp}: context parallelism runs over one group with tp 1 and ep 1 "
+                        f"or cp (e.g. --ep {cp} --cp {cp})")
     if weights not in WEIGHT_MODES:
         raise PlanError(f"weights={weights!r}: choose one of {WEIGHT_MODES}")
     if cache_mode not in CACHE_MODES:
@@ -221,8 +240,8 @@ def make_plan(cfg: ModelConfig, tp: int = 1, ep: int | None = None, gpu_memory_g
         raise PlanError(f"batch={batch}, gpu_memory_gb={gpu_memory_gb}, reserve_gb={reserve_gb}: "
                         "need batch >= 1, memory > 0, reserve >= 0")
     check_layout(cfg, tp, ep, weights, vocab_split)
-    world = max(tp, ep)
-    dp = world // tp
+    world = max(tp, ep, cp)
+    dp = 1 if cp > 1 else world // tp
     layers = cfg.num_hidden_layers + (cfg.num_nextn_predict_layers if include_mtp else 0)
     bpt = layers * (cfg.mla_cache_bytes_per_token(cache_mode) + cfg.indexer_cache_bytes_per_token(cache_mode))
     memory, reserve = int(gpu_memory_gb * GB), int(reserve_gb * GB)
@@ -235,8 +254,8 @@ def make_plan(cfg: ModelConfig, tp: int = 1, ep: int | None = None, gpu_memory_g
         free = memory - weight_bytes - reserve
         pages = max(free, 0) // (bpt * PAGE_SIZE)
         tokens = pages * PAGE_SIZE
-        ranks.append(RankPlan(rank, rank % tp, rank % ep, rank // tp, weight_bytes, by_part, free, bpt, tokens,
-                              tokens * bpt, tokens >= min_cache_tokens))
+        ranks.append(RankPlan(rank, rank % tp, rank % ep, rank // (world // dp), weight_bytes, by_part, free, bpt,
+                              tokens, tokens * bpt, tokens >= min_cache_tokens))
 
     group_tokens = min(r.cache_tokens for r in ranks)
     per_group = math.ceil(batch / dp)  # sequences of the batch that land on one attention group
@@ -244,8 +263,9 @@ def make_plan(cfg: ModelConfig, tp: int = 1, ep: int | None = None, gpu_memory_g
     quality = "bf16-dequantised" if weights == "bf16" and cfg.fp8_weight_block else (
         "fp8-block" if cfg.fp8_weight_block else "bf16")
     plan = Plan(
-        model_type=cfg.model_type, num_layers=layers, tp=tp, ep=ep, world_size=world, dp=dp,
-        attention="dp" if dp > 1 else "tp", weights=quality, cache_mode=cache_mode, vocab_split=vocab_split,
+        model_type=cfg.model_type, num_layers=layers, tp=tp, ep=ep, cp=cp, world_size=world, dp=dp,
+        attention="cp" if cp > 1 else "dp" if dp > 1 else "tp", build_flags=build_flags(tp, ep, cp), weights=quality,
+        cache_mode=cache_mode, vocab_split=vocab_split,
         include_mtp=include_mtp, gpu_memory_bytes=memory, reserve_bytes=reserve, min_cache_tokens=min_cache_tokens,
         batch=batch, ranks=ranks, tokens_per_group=group_tokens, total_tokens=group_tokens * dp,
         longest_context=context,
@@ -266,11 +286,14 @@ def make_plan(cfg: ModelConfig, tp: int = 1, ep: int | None = None, gpu_memory_g
 
 
 def suggest_plan(cfg: ModelConfig, gpu_memory_gb: float, **kw) -> Plan | None:
-    """The smallest world size that fits: tp = ep = n first, then DP attention (tp=1, ep=n)."""
+    """The smallest world size that fits, among the layouts the builder builds: tp = ep = n first,
+    then context-parallel attention with expert parallelism (tp=1, ep=cp=n)."""
     for n in range(1, MAX_WORLD + 1):
-        for tp, ep in ((n, n), (1, n)):
+        for tp, ep, cp in ((n, n, 1), (1, n, n)):
+            if n == 1 and cp > 1:
+                continue
             try:
-                plan = make_plan(cfg, tp, ep, gpu_memory_gb, **kw)
+                plan = make_plan(cfg, tp, ep, gpu_memory_gb, cp=cp, **kw)
             except PlanError:
                 continue
             if plan.fits:
@@ -278,16 +301,19 @@ def suggest_plan(cfg: ModelConfig, gpu_memory_gb: float, **kw) -> Plan | None:
     return None
 
 
-def check_fits(cfg: ModelConfig, tp: int, ep: int | None = None, gpu_memory_gb: float = 141.0, **kw) -> Plan:
+def check_fits(cfg: ModelConfig, tp: int, ep: int | None = None, gpu_memory_gb: float = 141.0, cp: int = 1,
+               **kw) -> Plan:
     """The plan, or a :class:`PlanError` naming the numbers and the smallest plan that would fit."""
-    plan = make_plan(cfg, tp, ep, gpu_memory_gb, **kw)
+    plan = make_plan(cfg, tp, ep, gpu_memory_gb, cp=cp, **kw)
     if plan.fits:
         return plan
     better = suggest_plan(cfg, gpu_memory_gb, **kw)
-    hint = (f"the smallest plan that fits {gpu_memory_gb:g} GB per GPU is --tp {better.tp} --ep {better.ep} "
+    hint = (f"the smallest plan that fits {gpu_memory_gb:g} GB per GPU is --tp {better.tp} --ep {better.ep}"
+            f"{f' --cp {better.cp}' if better.cp > 1 else ''} "
             f"({_size(better.ranks[0].weight_bytes)} of weights per rank, {better.tokens_per_group:,} cache "
             "tokens per rank)" if better else f"no plan of up to {MAX_WORLD} ranks fits {gpu_memory_gb:g} GB")
-    raise PlanError(f"--tp {plan.tp} --ep {plan.ep} on {gpu_memory_gb:g} GB GPUs does not fit: "
+    raise PlanError(f"--tp {plan.tp} --ep {plan.ep}{f' --cp {plan.cp}' if plan.cp > 1 else ''} on "
+                    f"{gpu_memory_gb:g} GB GPUs does not fit: "
                     + "; ".join(plan.problems) + f". {hint}")
 
 
@@ -307,7 +333,8 @@ PARTS = ("attention", "indexer", "dense_mlp", "shared_experts", "routed_experts"
 
 def format_plan(plan: Plan) -> str:
     r0 = plan.ranks[0]
-    attn = (f"{plan.dp} data-parallel groups of tp={plan.tp}" if plan.dp > 1 else f"tensor-parallel over {plan.tp}")
+    attn = {"dp": f"{plan.dp} data-parallel groups of tp={plan.tp}", "tp": f"tensor-parallel over {plan.tp}",
+            "cp": f"context-parallel over {plan.cp} (steps interleaved, every rank caches every token)"}[plan.attention]
     lines = [
         f"plan: {plan.model_type}, {plan.num_layers} cache layers, {plan.world_size} ranks: attention {attn}, "
         f"experts over ep={plan.ep}; weights {plan.weights}, cache {plan.cache_mode}, "
@@ -325,5 +352,7 @@ def format_plan(plan: Plan) -> str:
     lines.append(f"  cache: {plan.tokens_per_group:,} tokens per attention group, {plan.total_tokens:,} in all; "
                  f"sequences that fit: {seqs}")
     lines.append(f"  longest context at batch {plan.batch}: {plan.longest_context:,} tokens")
+    lines.append(f"  build: dsa-trt build {plan.build_flags}" if plan.build_flags else
+                 "  build: not a layout dsa-trt build builds (it builds --tp N, --cp P and --ep P --cp P)")
     lines.append(f"  fits: {'yes' if plan.fits else 'NO'}" + "".join(f"\n    {p}" for p in plan.problems))
     return "\n".join(lines)

@@ -113,8 +113,8 @@ def _exchange_counts(x: torch.Tensor, counts: torch.Tensor, group_size: int) -> 
         raise EPCapacityError(
             f"dsa::ep_all_to_all: rank {src} routes {int(sent[src, dst])} (token, expert) pairs to rank {dst}, more "
             f"than the exchange capacity of {capacity} pairs per destination rank (largest need "
-            f"{int(sent.max())}); rebuild with a larger ep_capacity (export/parallel.py ParallelConfig) or give "
-            "the step fewer tokens")
+            f"{int(sent.max())}); rebuild with a larger ep_capacity (dsa-trt build --ep-capacity, ParallelConfig) "
+            "or give the step fewer tokens")
     if bool((sent < 0).any()):
         raise EPCapacityError(f"dsa::ep_all_to_all: negative row counts {sent.tolist()}")
     return sent

@@ -17,16 +17,21 @@ from .sampling import SamplingParams
 def _generate(a: argparse.Namespace) -> int:
     from .llm import LLM
 
-    tp = EngineConfig.load(a.engine).tp_size
-    if tp == 1:
+    cfg = EngineConfig.load(a.engine)
+    if cfg.world_size == 1:
         return _generate_with(LLM(a.engine, speculative=a.speculative), a)
     from . import distributed  # one process per rank; rank 0 schedules, samples and prints
 
     if "RANK" not in os.environ:
-        print(f"tensor-parallel engine (tp={tp}): launching {tp} ranks with torchrun", file=sys.stderr, flush=True)
-        return distributed.relaunch_with_torchrun(tp, ["dsa_trt.runtime.cli", *a.argv])
-    return distributed.run_tensor_parallel(
-        a.engine, lambda engine: _generate_with(LLM(engine, speculative=a.speculative), a)) or 0
+        print(f"multi-rank engine ({cfg.layout}): launching {cfg.world_size} ranks with torchrun", file=sys.stderr,
+              flush=True)
+        return distributed.relaunch_with_torchrun(cfg.world_size, ["dsa_trt.runtime.cli", *a.argv])
+    try:
+        return distributed.run_engine_dir(
+            a.engine, lambda engine: _generate_with(LLM(engine, speculative=a.speculative), a)) or 0
+    except distributed.EPCapacityError as e:  # every rank raised it: rank 0 says so, once
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
 
 def _generate_with(llm, a: argparse.Namespace) -> int:
@@ -179,7 +184,7 @@ def _plan(a: argparse.Namespace) -> int:
 
     plan = make_plan(load_config(a.model), a.tp, a.ep, a.gpu_memory_gb, batch=a.batch, cache_mode=a.cache,
                      weights=a.weights, vocab_split=a.vocab_split, include_mtp=a.mtp, reserve_gb=a.reserve_gb,
-                     min_cache_tokens=a.min_cache_tokens)
+                     min_cache_tokens=a.min_cache_tokens, cp=a.cp)
     print(json.dumps(plan.to_dict(), indent=2) if a.json else format_plan(plan))
     return 0 if plan.fits else 1
 
@@ -191,7 +196,11 @@ def _add_plan_parser(sub) -> None:
                        formatter_class=_HelpFormatter)
     p.add_argument("model", help="checkpoint directory or a config.json")
     p.add_argument("--tp", type=int, default=1, help="attention heads / dense MLP split over N ranks")
-    p.add_argument("--ep", type=int, default=None, help="routed experts split over N ranks (default: --tp)")
+    p.add_argument("--ep", type=int, default=None,
+                   help="routed experts split over N ranks (default: --tp, or 1 with --cp); --tp 1 --ep N alone "
+                        "plans data-parallel attention, which the builder does not build: add --cp N")
+    p.add_argument("--cp", type=int, default=1,
+                   help="context-parallel attention over N ranks (tp 1; with --ep N: the builder's --ep N --cp N)")
     p.add_argument("--gpu-memory-gb", type=float, required=True, help="memory per GPU, decimal GB")
     p.add_argument("--batch", type=int, default=1, help="sequences for the longest-context column")
     p.add_argument("--cache", choices=CACHE_MODES, default="fp8", help="cache format the bytes per token are counted for")

@@ -9,12 +9,13 @@ programs' ``dsa::all_reduce`` nodes meet there), drop the logits, repeat until r
 
     torchrun --standalone --nproc-per-node N -m dsa_trt.runtime.cli generate --engine DIR ...
 
-``dsa-trt generate`` does that relaunch itself when the engine has tp_size > 1. Backend: gloo on
+``dsa-trt generate`` does that relaunch itself when the engine has world_size > 1. Backend: gloo on
 the CPU, NCCL on GPUs (NVLink multicast off: ``launch_env``).
 
 Context parallelism (export/parallel.py) uses the same broadcast: ``DistributedEngine(engine,
 context_parallel=p)`` pads each step to a multiple of p, and every rank's program takes its
-interleaved share of the one step all ranks received. A rank whose collective fails (a peer
+interleaved share of the one step all ranks received; ``run_engine_dir`` drives the engine
+directories of both (cp_size from engine_config.json). A rank whose collective fails (a peer
 died, or hung past DSA_DIST_TIMEOUT_S) raises ``RankFailure`` naming the peers that exited.
 """
 
@@ -126,6 +127,10 @@ def guarded(what: str, fn: Callable[[], T]) -> T:
     except (EPCapacityError, ValueError):
         raise
     except RuntimeError as e:
+        if str(e).startswith(f"{EPCapacityError.__name__}: "):
+            # the op's error out of a compiled program: AOTInductor's proxy executor re-raises the
+            # Python exception as a RuntimeError("<type>: <message>"); it is still every rank's
+            raise EPCapacityError(str(e).split(": ", 1)[1].splitlines()[0]) from e
         if not dist.is_initialized():
             raise
         raise RankFailure(f"rank {dist.get_rank()} of {dist.get_world_size()}: {what} failed: {describe_peers()}; "
@@ -261,7 +266,13 @@ def worker_loop(engine: Engine) -> int:
                     pools = allocate_pools(cfg.model, cfg.cache_mode, num_pages, engine.device)
                 engine.run(step, *pools)
 
-        guarded(f"step {steps + 1}", run)
+        try:
+            guarded(f"step {steps + 1}", run)
+        except (EPCapacityError, ValueError):
+            # raised on every rank alike, so rank 0 raised it too and hands it to its caller: keep
+            # mirroring. Rank 0 then stops the group or steps on; leaving the loop here would put
+            # this rank in the final barrier while rank 0 broadcasts (a wait for the timeout).
+            pass
         steps += 1
 
 
@@ -298,17 +309,22 @@ def run_parallel(load: Callable[[int, int, torch.device], Engine], rank0: Callab
         dist.destroy_process_group()
 
 
-def run_tensor_parallel(engine_dir: str | Path, rank0: Callable[[Engine], T], device: str | None = None) -> T | None:
-    """``run_parallel`` over the programs of a tensor-parallel engine directory."""
+def run_engine_dir(engine_dir: str | Path, rank0: Callable[[Engine], T], device: str | None = None) -> T | None:
+    """``run_parallel`` over the rank programs of a multi-rank engine directory: tensor parallel
+    (tp_size ranks), or one expert- / context-parallel group (ep_size / cp_size ranks, every step
+    padded to a multiple of cp_size). Each rank loads its own rank<r> program."""
     cfg = EngineConfig.load(engine_dir, check_files=True)
 
     def load(rank: int, world: int, dev: torch.device) -> Engine:
-        if world != cfg.tp_size:
-            raise EngineDirError(f"{engine_dir}: built for tp={cfg.tp_size} but {world} processes were launched; "
-                                 f"use --nproc-per-node {cfg.tp_size}")
+        if world != cfg.world_size:
+            raise EngineDirError(f"{engine_dir}: built for {cfg.layout} ({cfg.world_size} ranks) but {world} processes "
+                                 f"were launched; use --nproc-per-node {cfg.world_size}")
         return Engine.load(engine_dir, rank=rank, device=str(dev))
 
-    return run_parallel(load, rank0, device or ("cpu" if cfg.device == "cpu" else None))
+    return run_parallel(load, rank0, device or ("cpu" if cfg.device == "cpu" else None), context_parallel=cfg.cp_size)
+
+
+run_tensor_parallel = run_engine_dir  # the name of the tp-only days, kept for its callers
 
 
 def launch_env(environ: dict | None = None) -> dict:

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 
 import dsa_trt.plugins.collectives  # noqa: F401  (dsa::all_reduce, called by tensor-parallel programs)
 import dsa_trt.plugins.ops  # noqa: F401  (registers torch.ops.dsa.* before any program loads)
@@ -48,6 +49,13 @@ class Engine:
         """draft: also load the MTP draft program when the directory has one (mtp_layers > 0)."""
         engine_dir = Path(engine_dir)
         cfg = EngineConfig.load(engine_dir)
+        if cfg.world_size > 1 and not dist.is_initialized():
+            # its programs' collectives would fail on the first step, far from the cause
+            raise EngineDirError(f"{engine_dir}: this {cfg.layout} engine ({cfg.world_size} ranks) runs one process "
+                                 "per rank: use `dsa-trt generate --engine DIR` (it launches them with torchrun), or "
+                                 "dsa_trt.runtime.distributed.run_engine_dir under torchrun")
+        if not 0 <= rank < cfg.world_size:
+            raise EngineDirError(f"{engine_dir}: rank {rank} not in [0, {cfg.world_size}) ({cfg.layout})")
         verify_engine_files(engine_dir, cfg, rank)  # manifest.json: sizes, sha256, config tie (DSA_VERIFY_ENGINE)
         dev = torch.device(device or cfg.device)
         if dev.type == "cuda" and not torch.cuda.is_available():

@@ -164,8 +164,9 @@ def write_model_repository(engine_dir: str | Path, repo_dir: str | Path, model_n
         if not cfg.mtp_layers:
             raise EngineDirError(f"{engine_dir}: speculative={speculative!r} but the engine has no MTP draft program "
                                  "(engine_config.json mtp_layers=0); rebuild it with its MTP layer")
-    if cfg.tp_size != 1:
-        raise EngineDirError(f"{engine_dir}: tp_size {cfg.tp_size}; the Triton model serves tp=1 engines only")
+    if cfg.world_size != 1:  # the python model holds one in-process engine; no rank launcher behind it yet
+        raise EngineDirError(f"{engine_dir}: {cfg.world_size} ranks ({cfg.layout}); the Triton model serves "
+                             "one-rank engines only: run this one with `dsa-trt generate --engine DIR`")
     repo.mkdir(parents=True, exist_ok=True)
     _write_model(repo / model_name, python_model_config(model_name, engine_dir, num_pages, site_packages,
                                                         expected_max_model_len(cfg, num_pages), launch_id,
