@@ -239,7 +239,7 @@ def test_builder_default_keeps_fp8_at_bf16(bf16_engine, trained):
     assert json.loads((out / "engine_config.json").read_text())["weight_format"] == "fp8"
     cfg = EngineConfig.load(out)
     assert cfg.weight_format == "fp8" and cfg.mtp_layers == 1
-    assert "weights fp8)" in log and "weights     fp8: " in log, log
+    assert "weights fp8, one rank)" in log and "weights     fp8: " in log, log
     with safe_open(str(out / cfg.rank_weights_file(0)), framework="pt") as f:
         dtypes = {name: f.get_slice(name).get_dtype() for name in f.keys()}
     e4m3 = [n for n, d in dtypes.items() if d == "F8_E4M3"]
