@@ -56,8 +56,6 @@ def uniform_shape(step: StepInputs) -> Uniform | None:
         return None
     q = int(counts.max())
     rows = step.logits_indices
-    if q == 1 and torch.equal(rows, torch.arange(tokens)):
-        return Uniform(1, True)
     if rows.shape[0] == tokens and bool((counts == q).all()) and torch.equal(rows, torch.arange(tokens)):
         return Uniform(q, True)
     if rows.shape[0] == batch and torch.equal(rows, torch.cumsum(counts, 0) - 1):
@@ -143,7 +141,7 @@ class CudaGraphRunner:
         # min_batch: the deterministic mode keeps every replayed batch a multiple of its token block
         self.buckets = tuple(b for b in BATCH_BUCKETS if min_batch <= b <= max(cap, min_batch))
         self.min_batch = min_batch
-        self.max_width = cfg.max_pages_per_seq
+        self.widths = [MIN_WIDTH << i for i in range(32) if (MIN_WIDTH << i) <= max(cfg.max_pages_per_seq, MIN_WIDTH)]
         self.max_tokens = cfg.max_num_tokens
         self._graphs: dict[tuple[Uniform, int, int], _Graph] = {}
         self._pool_handle = torch.cuda.graph_pool_handle()
@@ -170,7 +168,7 @@ class CudaGraphRunner:
             return None
         batch, width = step.page_table.shape
         b = _bucket(batch, self.buckets)
-        w = _bucket(width, [MIN_WIDTH << i for i in range(32) if (MIN_WIDTH << i) <= max(self.max_width, MIN_WIDTH)])
+        w = _bucket(width, self.widths)
         if b is None or w is None or b * shape.q > self.max_tokens:
             return None
         return shape, b, w
