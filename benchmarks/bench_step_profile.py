@@ -45,7 +45,7 @@ from dsa_trt.step import StepInputs
 
 STEP = "bench:step"
 # (label, the wrapped call whose end closes the phase); each phase runs from the previous one's end
-PHASES = (("scheduler + step-input build", "bench:schedule"), ("H2D step inputs", "bench:h2d"),
+PHASES = (("scheduler + step-input build", "bench:schedule"), ("H2D step inputs (eager; graphs: in forward)", "bench:h2d"),
           ("forward launch", "bench:forward"), ("sampling (launch + rows H2D)", "bench:sample"),
           ("D2H / sync (tokens .tolist())", None), ("update + detokenise", STEP))
 GROUPS = ("DSA attention ops", "linears / GEMMs", "MoE", "norms / elementwise", "copies / memsets", "sampling",
@@ -119,7 +119,9 @@ def profiled_step(llm: LLM) -> dict:
     t0, t1 = spans[STEP]
     bounds, start = [], t0
     for label, closer in PHASES:  # None: the phase ends where the update starts
-        end = t1 if closer == STEP else spans["bench:update"][0] if closer is None else spans[closer][1]
+        # a range the step never entered (graph mode: CudaGraphRunner.run copies the host step
+        # itself, inside "forward") is an empty phase
+        end = t1 if closer == STEP else spans["bench:update"][0] if closer is None else spans.get(closer, (0, start))[1]
         bounds.append((label, start, max(start, end)))
         start = max(start, end)
     corr = lambda e: getattr(e, "correlation_id", lambda: 0)()  # noqa: E731 - absent in some torch builds

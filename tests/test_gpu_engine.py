@@ -31,8 +31,8 @@ def test_compiled_engine_matches_gpu_reference(gpu_engine, tiny_ckpt, capsys):
     t = teacher_forced_greedy(gpu_engine, tiny_ckpt, "cuda", torch.bfloat16, report=report)
     with capsys.disabled():
         print(f"\n[gpu] compiled vs eager GPU network, teacher-forced greedy: {t['same']}/{t['steps']} steps same "
-              f"token, {t['near_ties']} near ties; logits rel. L2 vs the fp32 network, RMS over steps: compiled "
-              f"{t['rms_compiled']:.3g}, eager {t['rms_eager']:.3g}; worst compiled vs eager {t['worst_rel']:.3g}")
+              f"token, {t['near_ties']} near ties (eager vs its fp32 twin: {t['floor_flips']}); logits rel. L2 vs "
+              f"the fp32 twin, RMS over steps: compiled {t['rms_compiled']:.3g}, eager {t['rms_eager']:.3g}; worst compiled vs eager {t['worst_rel']:.3g}")
 
 
 def test_cuda_graph_decode_equals_eager(gpu_engine, capsys):
