@@ -8,6 +8,7 @@ import os
 import signal
 import sys
 import time
+from pathlib import Path
 
 from dsa_trt.engine_config import EngineConfig, EngineDirError
 
@@ -123,8 +124,23 @@ def _percentile(xs: list[float], q: float) -> float:
     return ys[min(len(ys) - 1, max(0, math.ceil(len(ys) * q / 100) - 1))]
 
 
+def _prompt_lines(path: str) -> list[str]:
+    """The non-empty lines of a --prompt-file, or a ValueError naming what is wrong."""
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"--prompt-file {path}: no such file (give a text file, one prompt per line)")
+    try:
+        lines = [line for line in p.read_text(encoding="utf-8").splitlines() if line.strip()]
+    except UnicodeDecodeError as e:
+        raise ValueError(f"--prompt-file {path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    if not lines:
+        raise ValueError(f"--prompt-file {path}: no non-empty line (one prompt per line)")
+    return lines
+
+
 def _bench(a: argparse.Namespace) -> int:
-    """Offline throughput: N random-token prompts submitted at once to AsyncLLM (continuous batching)."""
+    """Offline throughput: N prompts (random token ids, or the lines of --prompt-file) submitted at
+    once to AsyncLLM (continuous batching)."""
     import asyncio
 
     import torch
@@ -133,11 +149,16 @@ def _bench(a: argparse.Namespace) -> int:
 
     if a.num_prompts < 1 or a.prompt_len < 1:
         raise ValueError(f"--num-prompts {a.num_prompts} and --prompt-len {a.prompt_len} must be >= 1")
+    lines = _prompt_lines(a.prompt_file) if a.prompt_file else None
     engine = AsyncLLM(a.engine, num_pages=a.num_pages, speculative=a.speculative)
     try:
-        vocab = engine.llm.model_config.vocab_size
-        g = torch.Generator().manual_seed(a.seed)
-        prompts = torch.randint(2, vocab, (a.num_prompts, a.prompt_len), generator=g).tolist()
+        if lines is not None:  # line i % len(lines), cut to its first --prompt-len tokens
+            prompts = [engine.llm.tokenizer.encode(lines[i % len(lines)])[: a.prompt_len]
+                       for i in range(a.num_prompts)]
+        else:
+            vocab = engine.llm.model_config.vocab_size
+            g = torch.Generator().manual_seed(a.seed)
+            prompts = torch.randint(2, vocab, (a.num_prompts, a.prompt_len), generator=g).tolist()
         params = [SamplingParams(temperature=a.temperature, max_tokens=a.max_tokens, seed=a.seed + i, ignore_eos=True)
                   for i in range(a.num_prompts)]
         engine.submit(prompts[0], SamplingParams(max_tokens=2)).result()  # warm-up: first-call costs
@@ -164,10 +185,11 @@ def _bench(a: argparse.Namespace) -> int:
         engine.shutdown()
     gen = sum(counts)
     ms = 1e3  # seconds -> milliseconds
-    print(f"dsa-trt bench: {a.num_prompts} prompts x {a.prompt_len} tokens -> {a.max_tokens} tokens each, "
+    source = f"the lines of {a.prompt_file}, <= {a.prompt_len} tokens" if lines is not None else f"{a.prompt_len} tokens"
+    print(f"dsa-trt bench: {a.num_prompts} prompts x {source} -> {a.max_tokens} tokens each, "
           f"temperature {a.temperature}, on {engine.llm.device}")
     print(f"  {gen} tokens in {wall:.2f} s: {gen / wall:.1f} output tok/s, "
-          f"{(gen + a.num_prompts * a.prompt_len) / wall:.1f} total tok/s, {a.num_prompts / wall:.2f} requests/s")
+          f"{(gen + sum(map(len, prompts))) / wall:.1f} total tok/s, {a.num_prompts / wall:.2f} requests/s")
     print(f"  latency p50 {_percentile(last, 50) * ms:.0f} ms  p99 {_percentile(last, 99) * ms:.0f} ms; "
           f"first token p50 {_percentile(first, 50) * ms:.0f} ms  p99 {_percentile(first, 99) * ms:.0f} ms "
           "(all submitted at t=0)")
@@ -272,7 +294,10 @@ def parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="offline throughput and latency over N prompts", formatter_class=_HelpFormatter)
     b.add_argument("--engine", required=True, help="engine directory written by `make engine`")
     b.add_argument("--num-prompts", type=int, default=64, help="prompts submitted at once")
-    b.add_argument("--prompt-len", type=int, default=32, help="tokens per prompt (random ids)")
+    b.add_argument("--prompt-len", type=int, default=32,
+                   help="tokens per prompt (random ids; with --prompt-file the most taken from a line)")
+    b.add_argument("--prompt-file", default=None, metavar="PATH",
+                   help="text prompts, one per line (cycled to --num-prompts) instead of random token ids")
     b.add_argument("--max-tokens", type=int, default=32, help="tokens generated per prompt (EOS ignored)")
     b.add_argument("--temperature", type=float, default=_SAMPLING.temperature, help="sampling temperature; 0 = greedy")
     b.add_argument("--seed", type=int, default=0, help="seed of the random prompts; prompt i samples with seed + i")

@@ -158,11 +158,9 @@ class MTPSpeculator:
                 hidden = torch.cat([hidden, hidden.new_zeros(extra, hidden.shape[1])])
         return self.engine.draft(inputs, hidden, self.mla_pools, self.index_pools)
 
-    def _pick(self, seq, logits_row: torch.Tensor) -> tuple[int, torch.Tensor | None]:
-        """A draft token from the MTP logits [V]: argmax for greedy rows, else drawn from q."""
+    def _pick(self, seq, logits_row: torch.Tensor) -> tuple[int, torch.Tensor]:
+        """A sampled row's draft token, drawn from q (the MTP logits [V] after its sampling params), and q."""
         req = seq.request
-        if req.params.greedy:
-            return int(torch.argmax(logits_row.float())), None
         q = processed_probs(logits_row[None], [req.params])[0]
         u = _uniform(req.params, req.generator, 1, q.device)
         return int(sample_from_probs(q[None], u)[0]), q
@@ -190,12 +188,17 @@ class MTPSpeculator:
         drafts: dict[int, list[int]] = {b: [] for b in state}
         qs: dict[int, list[torch.Tensor]] = {b: [] for b in state}
         for j in range(self.num_draft):
-            for b in state:
-                if step.seqs[b].num_draft > j:
+            active = [b for b in state if step.seqs[b].num_draft > j]
+            greedy = [b for b in active if step.seqs[b].request.params.greedy]
+            if greedy:  # one argmax and one device sync for every greedy row
+                picks = torch.stack([state[b][0] for b in greedy]).argmax(-1).tolist()
+                for b, tok in zip(greedy, picks):
+                    drafts[b].append(tok)
+            for b in active:
+                if b not in greedy:
                     tok, q = self._pick(step.seqs[b], state[b][0])
                     drafts[b].append(tok)
-                    if q is not None:
-                        qs[b].append(q)
+                    qs[b].append(q)
             more = [b for b in state if step.seqs[b].num_draft > j + 1]
             if not more:
                 break
@@ -231,14 +234,18 @@ class MTPSpeculator:
                          [r.output_token_ids if r.params.needs_history else [] for r in reqs],
                          [r.prompt_token_ids if r.params.needs_history else [] for r in reqs])
             tokens.update({b: [t] for (b, _), t in zip(plain, res.token_ids.tolist())})
+        # the target's argmax of every row at once (one device sync) when a greedy row verifies
+        argmax = (logits.argmax(-1).tolist()
+                  if any(s.num_draft and s.request.params.greedy for _, s in sampling) else None)
         for b, s in sampling:
             if not s.num_draft:
                 continue
             d, (drafts, q) = s.num_draft, self._drafts[b]
-            rows = logits[step.logit_starts[b] : step.logit_starts[b] + d + 1]  # [d+1, V]
+            start = step.logit_starts[b]
+            rows = logits[start : start + d + 1]  # [d+1, V]
             params = s.request.params
             if params.greedy:
-                target = torch.argmax(rows.float(), dim=-1).tolist()
+                target = argmax[start : start + d + 1]
                 k = next((j for j in range(d) if drafts[j] != target[j]), d)
                 toks = drafts[:k] + [target[k]]
             else:
@@ -262,10 +269,11 @@ class MTPSpeculator:
     def _store_hidden(self, step, out: StepOutput, tokens: dict[int, list[int]]) -> None:
         if out.hidden is None:
             raise RuntimeError("the target program returns no hidden states: rebuild the engine with its MTP layer")
-        start = 0
+        start, hidden = 0, None
         for b, s in enumerate(step.seqs):
             valid = s.num_tokens - s.num_draft + (len(tokens[b]) - 1 if b in tokens else 0)
             if s.request.hidden is None and s.request.mtp_computed == s.start:
-                # a copy: a CUDA-graph replay overwrites its output buffers
-                s.request.hidden = out.hidden[start : start + valid].clone()  # positions [s.start, s.start + valid)
+                if hidden is None:  # one copy for the step: a CUDA-graph replay overwrites its output buffers
+                    hidden = out.hidden.clone()
+                s.request.hidden = hidden[start : start + valid]  # positions [s.start, s.start + valid)
             start += s.num_tokens

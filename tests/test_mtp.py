@@ -190,3 +190,23 @@ def test_speculative_needs_a_draft_program(mtp_engine):
     with pytest.raises(ValueError, match="has no MTP draft program .*rebuild it from a checkpoint with an MTP layer"):
         LLM(bare, num_pages=8, speculative="mtp")
     LLM(bare, num_pages=8).generate([[0, 5, 6]], SamplingParams(max_tokens=2))  # without speculation it serves
+
+
+def test_bench_reports_speculation_on_text_prompts(mtp_engine, tmp_path, capsys):
+    """`dsa-trt bench --prompt-file`: the file's lines (cycled, cut to --prompt-len tokens) are the
+    prompts; with --speculative the acceptance line is printed. A missing or empty file: exit 2 and
+    a message naming the flag."""
+    from dsa_trt.runtime.cli import main
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("The sea was calm that morning\n\nBread is made of four things\n", encoding="utf-8")
+    args = ["bench", "--engine", str(mtp_engine), "--num-prompts", "3", "--max-tokens", "6", "--temperature", "0",
+            "--prompt-len", "4", "--prompt-file", str(prompts)]
+    assert main(args + ["--speculative", "mtp"]) == 0
+    out = capsys.readouterr().out
+    assert f"3 prompts x the lines of {prompts}, <= 4 tokens -> 6 tokens each" in out, out
+    assert "18 tokens in" in out and "speculative (MTP): acceptance rate" in out, out
+    (tmp_path / "empty.txt").write_text("\n \n", encoding="utf-8")
+    for bad, why in ((tmp_path / "missing.txt", "no such file"), (tmp_path / "empty.txt", "no non-empty line")):
+        assert main(args[:-1] + [str(bad)]) == 2
+        assert f"--prompt-file {bad}: {why}" in capsys.readouterr().err
