@@ -195,7 +195,7 @@ class MTPSpeculator:
                 for b, tok in zip(greedy, picks):
                     drafts[b].append(tok)
             for b in active:
-                if b not in greedy:
+                if not step.seqs[b].request.params.greedy:
                     tok, q = self._pick(step.seqs[b], state[b][0])
                     drafts[b].append(tok)
                     qs[b].append(q)
