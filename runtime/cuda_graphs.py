@@ -26,6 +26,7 @@ import torch
 from dsa_trt.step import StepInputs, StepOutput
 
 from .engine import Engine
+from .step_inputs import DeviceIds, with_device_ids
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 MIN_WIDTH = 8  # pages per sequence of the smallest width bucket
@@ -112,10 +113,13 @@ class _Graph:
         with torch.cuda.graph(self.graph, pool=pool_handle):
             self.out = call(*args)  # every output of the step contract (logits, hidden)
 
-    def run(self, step: StepInputs, hidden: torch.Tensor | None) -> StepOutput:
+    def run(self, step: StepInputs, hidden: torch.Tensor | None, device_ids: DeviceIds | None = None) -> StepOutput:
         padded, dst = pad_uniform(step, self.shape, self.batch, self.width)
         for name in ("input_ids", "positions", "page_table", "slot_mapping"):  # req_idx, logits rows: fixed
             getattr(self.static, name).copy_(getattr(padded, name), non_blocking=True)
+        if device_ids is not None:  # token ids still on the device, over their placeholders
+            rows, ids = device_ids
+            self.static.input_ids.index_copy_(0, dst[rows].to(ids.device, non_blocking=True), ids)
         dst = dst.to(self.static.input_ids.device, non_blocking=True)
         if hidden is not None:
             self.hidden.index_copy_(0, dst, hidden)
@@ -151,12 +155,12 @@ class CudaGraphRunner:
             return self.engine.draft(step, hidden, *self.pools)
         return self.engine.run(step, *self.pools)
 
-    def _eager(self, step: StepInputs, hidden: torch.Tensor | None) -> StepOutput:
+    def _eager(self, step: StepInputs, hidden: torch.Tensor | None, device_ids: DeviceIds | None = None) -> StepOutput:
         dev = self.engine.device
-        padded = step.pad_tokens(self.min_batch)
+        padded = step.pad_tokens(self.min_batch)  # appends rows: the step's token indices stay
         if hidden is not None and padded.input_ids.shape[0] > hidden.shape[0]:
             hidden = torch.cat([hidden, hidden.new_zeros(padded.input_ids.shape[0] - hidden.shape[0], hidden.shape[1])])
-        out = self._call(padded.to(dev), hidden)
+        out = self._call(with_device_ids(padded.to(dev), device_ids), hidden)
         return StepOutput(out.logits[: step.logits_indices.shape[0]],
                           None if out.hidden is None else out.hidden[: step.input_ids.shape[0]])
 
@@ -176,21 +180,23 @@ class CudaGraphRunner:
     def forward(self, step: StepInputs) -> torch.Tensor:
         return self.run(step).logits
 
-    def run(self, step: StepInputs, hidden: torch.Tensor | None = None) -> StepOutput:
+    def run(self, step: StepInputs, hidden: torch.Tensor | None = None, device_ids: DeviceIds | None = None) -> StepOutput:
         """Every output of the host step (graph replay for uniform steps, eager otherwise);
-        ``hidden`` [tokens, D] on the device: the draft program's input."""
+        ``hidden`` [tokens, D] on the device: the draft program's input; ``device_ids``
+        (runtime/speculative.py DeviceIds): token ids on the device, written over the host step's
+        placeholders at those token indices."""
         if step.input_ids.device.type != "cpu":
             raise ValueError("CudaGraphRunner takes the scheduler's host (CPU) step; it pads and copies it itself")
         if self.draft and hidden is None:
             raise ValueError("the draft program's steps need hidden_states")
         key = self.bucket(step)
         if key is None:
-            return self._eager(step, hidden)
+            return self._eager(step, hidden, device_ids)
         if key not in self._graphs:
             cfg = self.engine.config
             self._graphs[key] = _Graph(self._call, *key, cfg.model.hidden_size if self.draft else None,
                                        getattr(torch, cfg.dtype), self.engine.device, self._pool_handle)
-        return self._graphs[key].run(step, hidden)
+        return self._graphs[key].run(step, hidden, device_ids)
 
     @property
     def captured(self) -> list[tuple[Uniform, int, int]]:

@@ -26,6 +26,7 @@ from .page_pool import PagePool
 from .sampling import SamplingParams, make_generator, sample
 from .scheduler import Request, Scheduler
 from .speculative import MTPSpeculator, SpecStats, parse_speculative
+from .step_inputs import DeviceIds, with_device_ids
 from .tokenizer import Tokenizer
 
 DETERMINISTIC_TOKEN_BLOCK = 16  # rows per linear block in the deterministic mode (docs/architecture.md §8)
@@ -227,9 +228,9 @@ class LLM:
             if step is None:
                 return []
             try:
-                if self.speculator is not None:
-                    self.speculator.propose(step)  # the MTP pass; writes the drafts into step.inputs
-                out = self._run(step.inputs)
+                # the MTP pass: drafts into step.inputs, greedy ones as device ids (no sync)
+                device_ids = self.speculator.propose(step) if self.speculator is not None else None
+                out = self._run(step.inputs, device_ids)
                 if self.speculator is not None:
                     sampled, logps = self.speculator.verify(step, out)
                 else:
@@ -246,13 +247,14 @@ class LLM:
             return [self._advance(r, step.new_tokens.get(r.request_id, toks), logps[i] if logps else None)
                     for i, (r, toks) in enumerate(zip(reqs, sampled))]
 
-    def _run(self, inputs: StepInputs) -> StepOutput:
-        """The target program on the scheduler's (host) step."""
+    def _run(self, inputs: StepInputs, device_ids: DeviceIds | None = None) -> StepOutput:
+        """The target program on the scheduler's (host) step; ``device_ids``: the speculator's
+        drafts still on the device (runtime/speculative.py DeviceIds)."""
         if self.graphs is not None:
-            return self.graphs.run(inputs)  # pads its eager steps like the branch below
+            return self.graphs.run(inputs, device_ids=device_ids)  # pads its eager steps like the branch below
         if self.deterministic:
-            inputs = inputs.pad_tokens(DETERMINISTIC_TOKEN_BLOCK)
-        return self.engine.run(inputs.to(self.device), self.mla_pools, self.index_pools)
+            inputs = inputs.pad_tokens(DETERMINISTIC_TOKEN_BLOCK)  # appends rows: token indices stay
+        return self.engine.run(with_device_ids(inputs.to(self.device), device_ids), self.mla_pools, self.index_pools)
 
     def _abort_step(self, step) -> None:
         """A failed engine step: end its requests with finish_reason "error" (their caches may be

@@ -7,10 +7,13 @@ Per step of the LLM (runtime/llm.py), around the one target call the scheduler p
    through the draft program with the NEXT tokens (t_{i+1} at position i): that writes the MTP
    layer's cache entries of those positions, and the last row drafts d_1 for a decoding request.
    d_2..d_n reuse the layer recurrently (input d_j at position L + j - 1, hidden = the layer's own
-   output z of the previous draft step). The drafts are written into the step's placeholders.
+   output z of the previous draft step). Sampled rows' drafts are written into the step's
+   placeholders; greedy rows' (an argmax) stay on the device and are written over them there
+   (runtime/step_inputs.py DeviceIds), so the host queues the target step while the draft runs.
 2. The target step verifies: the last known token and the n drafts of each decoding request are
    n + 1 query tokens of one sequence, each with a logits row.
-3. ``verify``: greedy rows accept the longest prefix of drafts equal to the target's argmax, then
+3. ``verify`` (the step's one device sync for greedy rows: the target's argmax and the drafts
+   together): greedy rows accept the longest prefix of drafts equal to the target's argmax, then
    take the target's token at the first mismatch (or the bonus token after the last draft).
    Sampled rows use rejection sampling, which keeps the target distribution exactly: draft x_j
    (drawn from q_j, the MTP distribution after the same temperature / top-k / top-p) is accepted
@@ -39,6 +42,7 @@ from dsa_trt.plugins.pools import allocate_pools
 from dsa_trt.step import StepInputs, StepOutput
 
 from .sampling import SamplingParams, sample, top_k_top_p_mask
+from .step_inputs import DeviceIds, with_device_ids
 
 METHOD = "mtp"
 MAX_DRAFT_TOKENS = 8  # n of "mtp:n": more drafts than this only lowers throughput at any real acceptance
@@ -145,12 +149,14 @@ class MTPSpeculator:
         self.stats = SpecStats()
         self.graphs = None  # a CudaGraphRunner over the draft program and these pools (set by the LLM on a GPU)
         self._drafts: dict[int, tuple[list[int], torch.Tensor | None]] = {}  # seq index -> (drafts, q [d, V])
+        self._greedy: torch.Tensor | None = None  # the step's greedy drafts, on the device (propose's device ids)
 
-    def _draft_call(self, inputs: StepInputs, hidden: torch.Tensor) -> StepOutput:
-        """The draft program on a host step; ``hidden`` on the device."""
+    def _draft_call(self, inputs: StepInputs, hidden: torch.Tensor, device_ids: DeviceIds | None = None) -> StepOutput:
+        """The draft program on a host step; ``hidden`` on the device, ``device_ids``: token ids that
+        are still on the device (written over the host step's placeholders)."""
         if self.graphs is not None:
-            return self.graphs.run(inputs, hidden)  # pads like the branch below where it runs eagerly
-        inputs = inputs.to(self.device)
+            return self.graphs.run(inputs, hidden, device_ids)  # pads like the branch below where it runs eagerly
+        inputs = with_device_ids(inputs.to(self.device), device_ids)
         if self.pad_to > 1:  # the deterministic mode's row blocks (runtime/llm.py), hidden padded alike
             inputs = inputs.pad_tokens(self.pad_to)
             extra = inputs.input_ids.shape[0] - hidden.shape[0]
@@ -166,12 +172,18 @@ class MTPSpeculator:
         return int(sample_from_probs(q[None], u)[0]), q
 
     @torch.no_grad()
-    def propose(self, step) -> None:
-        """The MTP pass over the pending positions, then the drafts into ``step.inputs.input_ids``."""
-        self._drafts = {}
+    def propose(self, step) -> DeviceIds | None:
+        """The MTP pass over the pending positions, then the drafts into the target step.
+
+        Sampled rows' drafts are written into ``step.inputs.input_ids``. Greedy rows' drafts (an
+        argmax) never leave the device: the host goes on to the target step while the draft
+        program runs, and the returned (token indices of ``step.inputs``, device ids) are written
+        over the placeholders on the device; verify() reads them with the target's argmax, in the
+        step's one device sync."""
+        self._drafts, self._greedy = {}, None
         pending = [(b, s) for b, s in enumerate(step.seqs) if s.request.hidden is not None]
         if not pending:
-            return
+            return None
         packed, hidden, last = [], [], []
         for _, s in pending:
             r = s.request
@@ -185,15 +197,15 @@ class MTPSpeculator:
             s.request.mtp_computed, s.request.hidden = s.request.num_computed, None
             if s.num_draft:
                 state[b] = (out.logits[i], out.hidden[last[i]])
-        drafts: dict[int, list[int]] = {b: [] for b in state}
+        drafts: dict[int, list] = {b: [] for b in state}  # host ints (sampled rows), device 0-d tensors (greedy)
         qs: dict[int, list[torch.Tensor]] = {b: [] for b in state}
         for j in range(self.num_draft):
             active = [b for b in state if step.seqs[b].num_draft > j]
             greedy = [b for b in active if step.seqs[b].request.params.greedy]
-            if greedy:  # one argmax and one device sync for every greedy row
-                picks = torch.stack([state[b][0] for b in greedy]).argmax(-1).tolist()
-                for b, tok in zip(greedy, picks):
-                    drafts[b].append(tok)
+            if greedy:  # one argmax for every greedy row, left on the device
+                picks = torch.stack([state[b][0] for b in greedy]).argmax(-1)
+                for i, b in enumerate(greedy):
+                    drafts[b].append(picks[i])
             for b in active:
                 if not step.seqs[b].request.params.greedy:
                     tok, q = self._pick(step.seqs[b], state[b][0])
@@ -204,19 +216,44 @@ class MTPSpeculator:
                 break
             # the next draft: input d_{j+1} at position L + j, hidden = the layer's previous output
             seqs = [step.seqs[b] for b in more]
-            inputs = StepInputs.build([([drafts[b][-1]], s.request.num_computed + j, s.request.pages)
-                                       for b, s in zip(more, seqs)])
-            out = self._draft_call(inputs, torch.stack([state[b][1] for b in more]))
+            inputs = StepInputs.build([([0], s.request.num_computed + j, s.request.pages) for s in seqs])
+            out = self._draft_call(inputs, torch.stack([state[b][1] for b in more]), self._device_ids(
+                [(i, drafts[b][-1]) for i, b in enumerate(more)], inputs))
             state.update({b: (out.logits[i], out.hidden[i]) for i, b in enumerate(more)})
-        end = 0
+        end, placeholders = 0, []
         for b, s in enumerate(step.seqs):
             end += s.num_tokens
             if s.num_draft:
                 if b not in drafts or len(drafts[b]) != s.num_draft:
                     raise RuntimeError(f"request {s.request.request_id!r}: scheduled {s.num_draft} drafts without "
                                        "an MTP state (scheduler and speculator disagree)")
-                step.inputs.input_ids[end - s.num_draft : end] = torch.tensor(drafts[b], dtype=torch.int64)
+                placeholders += [(end - s.num_draft + j, d) for j, d in enumerate(drafts[b])]
                 self._drafts[b] = (drafts[b], torch.stack(qs[b]) if qs[b] else None)
+        device_ids = self._device_ids(placeholders, step.inputs)
+        if device_ids is not None:
+            self._greedy = device_ids[1]
+            # verify's view of the drafts: greedy rows' as indices into self._greedy, until it reads them
+            k = 0
+            for b, (ds, q) in self._drafts.items():
+                if ds and isinstance(ds[0], torch.Tensor):
+                    self._drafts[b] = (list(range(k, k + len(ds))), q)
+                    k += len(ds)
+        return device_ids
+
+    @staticmethod
+    def _device_ids(tokens: list[tuple[int, object]], inputs: StepInputs) -> DeviceIds | None:
+        """Host ints of (token index, id) go into ``inputs.input_ids``; device ones into the
+        returned (indices, ids) pair, or None when there are none."""
+        rows, values = [], []
+        for i, t in tokens:
+            if isinstance(t, torch.Tensor):
+                rows.append(i)
+                values.append(t)
+            else:
+                inputs.input_ids[i] = t
+        if not rows:
+            return None
+        return torch.tensor(rows, dtype=torch.int64), torch.stack(values)
 
     @torch.no_grad()
     def verify(self, step, out: StepOutput) -> tuple[list[list[int]], list[list[float]] | None]:
@@ -234,9 +271,14 @@ class MTPSpeculator:
                          [r.output_token_ids if r.params.needs_history else [] for r in reqs],
                          [r.prompt_token_ids if r.params.needs_history else [] for r in reqs])
             tokens.update({b: [t] for (b, _), t in zip(plain, res.token_ids.tolist())})
-        # the target's argmax of every row at once (one device sync) when a greedy row verifies
-        argmax = (logits.argmax(-1).tolist()
-                  if any(s.num_draft and s.request.params.greedy for _, s in sampling) else None)
+        # the target's argmax of every row and the greedy drafts at once (one device sync)
+        argmax = greedy = None
+        if any(s.num_draft and s.request.params.greedy for _, s in sampling):
+            both = logits.argmax(-1)
+            if self._greedy is not None:
+                both = torch.cat([both, self._greedy.to(both.device)])
+            both = both.tolist()
+            argmax, greedy = both[: logits.shape[0]], both[logits.shape[0]:]
         for b, s in sampling:
             if not s.num_draft:
                 continue
@@ -245,6 +287,7 @@ class MTPSpeculator:
             rows = logits[start : start + d + 1]  # [d+1, V]
             params = s.request.params
             if params.greedy:
+                drafts = [greedy[i] for i in drafts]  # indices into the step's device drafts
                 target = argmax[start : start + d + 1]
                 k = next((j for j in range(d) if drafts[j] != target[j]), d)
                 toks = drafts[:k] + [target[k]]
