@@ -12,7 +12,11 @@ next-n layer. Three objectives, each training only its own parameters:
   p over all causal keys), then sparse steps (top-k = 16 on, the KL restricted to the selected
   keys, as in the report's second stage), in which the main model adapts to its own selection;
 - the MTP layer: next-next-token cross-entropy on detached main-model hidden states (after the
-  final norm), embedding and head (shared with the main model, copied into the checkpoint).
+  final norm), embedding and head (shared with the main model, copied into the checkpoint);
+  then, with the main model frozen at its fp8 checkpoint weights, self-distillation
+  (``distill_mtp``): KL to the main model's next-position distribution, on the main model's own
+  greedy continuations and corpus windows, which is what the drafts of speculative decoding
+  are judged against.
 
 Routed experts are balanced the DeepSeek-V3 way (auxiliary-loss free): after each step every
 router's ``e_score_correction_bias`` moves by a fixed step towards equal load.
@@ -22,7 +26,7 @@ scales, bf16/fp32 for the rest, exactly what ``write_tiny_checkpoint`` stores) m
 layer's copies of the embedding and head, to ``data/tiny_trained.safetensors``;
 ``python -m dsa_trt.export.tiny_checkpoint OUT --trained`` turns it into a checkpoint.
 
-    python -m dsa_trt.export.train_tiny [--out PATH] [--steps N] [--seed N]
+    python -m dsa_trt.export.train_tiny [--out PATH] [--steps N] [--seed N] [--distill-from WEIGHTS]
 """
 
 from __future__ import annotations
@@ -82,6 +86,12 @@ class Recipe:
     grad_clip: float = 1.0
     bias_update_speed: float = 1e-3  # DeepSeek-V3's gamma for the expert-balancing bias
     log_every: int = 10
+    # MTP self-distillation, after the main run (distill_mtp): the MTP layer alone learns the
+    # main model's own next-position distribution, on the main model's greedy continuations of
+    # training line starts (what speculative decoding drafts on) and on corpus windows.
+    distill_steps: int = 400
+    distill_prompts: int = 512  # greedy continuations generated for it, `batch` at a time
+    distill_lr: float = 1e-3
 
 
 # ----------------------------------------------------------------------------- the data
@@ -155,6 +165,12 @@ class MTPLayer(nn.Module):
         """embeds: Embed(t_{i+1}) [B, S, D]; hidden: main h_i after the final norm [B, S, D];
         head: lm_head weight [V, D]. Returns the logits of t_{i+2} [B, S, V]."""
         embeds = embeds.masked_fill((position_ids == 0)[..., None], 0.0)
+        mask = layer_kwargs.get("attention_mask")
+        if mask is not None and mask.dtype == torch.bool:
+            # the block's eager attention adds its mask: a boolean one (from a model run with sdpa,
+            # as the HF oracle is) would add 0 / 1 and let every query see the future
+            layer_kwargs["attention_mask"] = torch.zeros(mask.shape, dtype=embeds.dtype).masked_fill(
+                ~mask, torch.finfo(embeds.dtype).min)
         z = self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden)], dim=-1))
         z = self.block(z, position_ids=position_ids, **layer_kwargs)
         return F.linear(self.shared_head_norm(z), head)
@@ -404,6 +420,89 @@ def _balance_experts(routers: list[nn.Module], routed: list[torch.Tensor], speed
         router.e_score_correction_bias += speed * torch.sign(load.mean() - load)
 
 
+@torch.no_grad()
+def greedy_pool(model, stream: torch.Tensor, starts: torch.Tensor, count: int, batch: int, length: int,
+                generator: torch.Generator) -> torch.Tensor:
+    """[count, 1 + length + 1]: BOS, a 3-31 token training line start, then the model's greedy
+    continuation (HF generate, no EOS) up to the window length; one prompt length per batch."""
+    rows = []
+    for _ in range(-(-count // batch)):
+        plen = int(torch.randint(3, 32, (1,), generator=generator))
+        picks = starts[torch.randint(0, starts.numel(), (batch,), generator=generator)]
+        prompt = torch.stack([stream[o : o + plen] for o in picks.tolist()])
+        ids = torch.cat([torch.zeros(batch, 1, dtype=torch.long), prompt], dim=1)
+        rows.append(model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=length + 1 - plen,
+                                   do_sample=False, eos_token_id=None, pad_token_id=0))
+    return torch.cat(rows)[:count]
+
+
+def distill_mtp(tensors: dict[str, torch.Tensor], recipe: Recipe, log=print) -> dict[str, torch.Tensor]:
+    """MTP self-distillation on the checkpoint ``tensors`` (the fp8 weights engines run): the MTP
+    layer learns KL(p_main(. | t_<=i+1) || q_mtp(. | h_i, t_i+1)) with the main model frozen, so its
+    top-1 draft agrees with the main model's greedy token more often (the acceptance rate of
+    speculative decoding). Returns ``tensors`` with only the MTP layer's replaced."""
+    if recipe.distill_steps == 0:
+        return tensors
+    layers = tiny_hf_config().num_hidden_layers
+    prefix = f"model.layers.{layers}."
+    tokenizer = train_tokenizer()
+    train_text, _ = corpus_split()
+    encoding = tokenizer.encode(train_text, add_special_tokens=False)
+    stream = torch.tensor(encoding.ids, dtype=torch.long)
+    starts = line_starts(train_text, encoding.offsets)
+    generator = torch.Generator().manual_seed(recipe.seed + 1)
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        save_trained_weights(tensors, tmp / "weights.safetensors", recipe)
+        ckpt = write_trained_checkpoint(tmp / "ckpt", weights=tmp / "weights.safetensors")
+        teacher, mtp = load_hf_oracle(ckpt, tmp), load_mtp(ckpt)
+    teacher.requires_grad_(False)
+    start = time.process_time()
+    pool = greedy_pool(teacher, stream, starts, recipe.distill_prompts, recipe.batch, recipe.seq_len, generator)
+    log(f"distill: {pool.shape[0]} greedy continuations in {time.process_time() - start:.0f} s CPU")
+    inputs: dict = {}
+    capture = teacher.model.layers[0].register_forward_pre_hook(
+        lambda module, args, kwargs: inputs.update(kwargs), with_kwargs=True
+    )
+    # the indexer keeps its selection (it trains by its own KL objective, in the main run)
+    params = [p for n, p in mtp.named_parameters() if ".indexer." not in n]
+    optimizer = torch.optim.AdamW(params, lr=recipe.distill_lr, betas=(0.9, 0.95), weight_decay=0.0)
+    mtp.train()
+    length = recipe.seq_len
+    for step in range(recipe.distill_steps):
+        cosine = 0.5 * (1 + math.cos(math.pi * step / recipe.distill_steps))
+        for group in optimizer.param_groups:
+            group["lr"] = recipe.distill_lr * (recipe.min_lr_ratio + (1 - recipe.min_lr_ratio) * cosine)
+        if step % 2 == 0:  # the main model's own text, and corpus windows in between
+            ids = pool[torch.randint(0, pool.shape[0], (recipe.batch,), generator=generator)]
+        else:
+            ids = sample_windows(stream, recipe.batch, length, generator, starts, recipe.line_start_fraction)
+        with torch.no_grad():
+            hidden = teacher.model(input_ids=ids[:, :-1], use_cache=False).last_hidden_state  # [B, L + 1, D]
+            target = F.softmax(teacher.lm_head(hidden[:, 1:]).float(), dim=-1)  # main at i + 1
+        cos, sin = inputs["position_embeddings"]
+        mask = inputs["attention_mask"]
+        logits = mtp(  # position i: from h_i and t_{i+1}
+            teacher.model.embed_tokens(ids[:, 1:-1]), hidden[:, :-1], teacher.lm_head.weight,
+            position_ids=inputs["position_ids"][:, :length],
+            attention_mask=None if mask is None else mask[..., :length, :length],
+            position_embeddings=(cos[:, :length], sin[:, :length]),
+        )
+        loss = F.kl_div(F.log_softmax(logits, dim=-1).flatten(0, 1), target.flatten(0, 1), reduction="batchmean")
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, recipe.grad_clip)
+        optimizer.step()
+        if step % recipe.log_every == 0 or step == recipe.distill_steps - 1:
+            agree = (logits.argmax(-1) == target.argmax(-1)).float().mean().item()
+            log(f"distill {step:4d} KL {loss.item():.3f}  top-1 agreement {agree:.1%}  "
+                f"{time.process_time() - start:.0f} s CPU")
+    capture.remove()
+    distilled = checkpoint_tensors(hf_state_to_checkpoint_names(teacher, mtp.eval()))
+    copies = set(mtp_shared_copies(distilled, layers))
+    return {n: distilled[n] if n.startswith(prefix) and n not in copies else t for n, t in tensors.items()}
+
+
 # ----------------------------------------------------------------------------- export
 def _unfuse_experts(name: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
     """HF's fused experts -> the checkpoint's per-expert names (gate rows first in gate_up)."""
@@ -588,19 +687,32 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=TRAINED_WEIGHTS_PATH, help="weights file to write")
     parser.add_argument("--steps", type=int, default=Recipe.steps)
     parser.add_argument("--dense-steps", type=int, default=Recipe.dense_steps)
+    parser.add_argument("--distill-steps", type=int, default=Recipe.distill_steps,
+                        help="MTP self-distillation steps after the main run (0: none)")
+    parser.add_argument("--distill-prompts", type=int, default=Recipe.distill_prompts,
+                        help="greedy continuations the distillation trains on")
+    parser.add_argument("--distill-from", type=Path, metavar="WEIGHTS",
+                        help="skip the main run: distil the MTP layer of WEIGHTS, the file of an earlier run of "
+                             "the same main recipe (the result equals the whole run's)")
     parser.add_argument("--seed", type=int, default=Recipe.seed)
     parser.add_argument("--no-eval", action="store_true", help="skip the perplexity / MTP report")
     args = parser.parse_args(argv)
     if not 0 <= args.dense_steps <= args.steps:
         parser.error(f"--dense-steps {args.dense_steps} must lie in [0, --steps {args.steps}]")
+    if args.distill_steps < 0 or args.distill_prompts < 1:
+        parser.error("--distill-steps must be >= 0 and --distill-prompts >= 1")
     # One thread (the machine is shared, and results must not depend on the thread count).
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
-    recipe = Recipe(seed=args.seed, steps=args.steps, dense_steps=args.dense_steps)
+    recipe = Recipe(seed=args.seed, steps=args.steps, dense_steps=args.dense_steps,
+                    distill_steps=args.distill_steps, distill_prompts=args.distill_prompts)
     start, start_cpu = time.perf_counter(), time.process_time()
-    main_model, mtp = train(recipe)
+    if args.distill_from is not None:
+        tensors = main_run_tensors(args.distill_from, recipe)
+    else:
+        tensors = checkpoint_tensors(hf_state_to_checkpoint_names(*train(recipe)))
+    tensors = distill_mtp(tensors, recipe)
     train_s, train_cpu_s = time.perf_counter() - start, time.process_time() - start_cpu
-    tensors = checkpoint_tensors(hf_state_to_checkpoint_names(main_model, mtp))
     save_trained_weights(tensors, args.out, recipe)
     digest = hashlib.sha256(args.out.read_bytes()).hexdigest()
     print(f"trained in {train_cpu_s:.0f} s CPU ({train_s:.0f} s wall, one thread); wrote {args.out} ({args.out.stat().st_size / 2**20:.1f} MiB, sha256 {digest})")
@@ -612,6 +724,27 @@ def main(argv: list[str] | None = None) -> None:
         random_dir = write_tiny_checkpoint(tmp / "tiny-v32-random", seed=0)
         evaluate(trained_dir, random_dir, tmp)
     print(f"total {time.process_time() - start_cpu:.0f} s CPU, {time.perf_counter() - start:.0f} s wall")
+
+
+MAIN_RUN_FIELDS = ("seed", "steps", "dense_steps", "batch", "seq_len", "line_start_fraction", "indexer_rows", "lr",
+                   "min_lr_ratio", "warmup_steps", "weight_decay", "grad_clip", "bias_update_speed")
+
+
+def main_run_tensors(weights: Path, recipe: Recipe) -> dict[str, torch.Tensor]:
+    """The tensors of an earlier run's weights file whose main run is ``recipe``'s (its recorded
+    recipe names the same main-run values), for ``--distill-from``."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    if not weights.is_file():
+        raise SystemExit(f"--distill-from {weights}: no such file (a weights file written by this script)")
+    with safe_open(str(weights), "pt") as f:
+        recorded = (f.metadata() or {}).get("recipe", "")
+    differ = [n for n in MAIN_RUN_FIELDS if f"{n}={getattr(recipe, n)!r}" not in recorded]
+    if differ:
+        raise SystemExit(f"--distill-from {weights}: its main run differs from this recipe's in {', '.join(differ)} "
+                         f"(recorded {recorded or 'no recipe'}); pass the same --seed / --steps / --dense-steps")
+    return load_file(str(weights))
 
 
 if __name__ == "__main__":
