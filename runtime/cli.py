@@ -146,6 +146,7 @@ def _bench(a: argparse.Namespace) -> int:
     import torch
 
     from .async_llm import AsyncLLM
+    from .speculative import SpecStats
 
     if a.num_prompts < 1 or a.prompt_len < 1:
         raise ValueError(f"--num-prompts {a.num_prompts} and --prompt-len {a.prompt_len} must be >= 1")
@@ -156,12 +157,22 @@ def _bench(a: argparse.Namespace) -> int:
             prompts = [engine.llm.tokenizer.encode(lines[i % len(lines)])[: a.prompt_len]
                        for i in range(a.num_prompts)]
         else:
-            vocab = engine.llm.model_config.vocab_size
             g = torch.Generator().manual_seed(a.seed)
-            prompts = torch.randint(2, vocab, (a.num_prompts, a.prompt_len), generator=g).tolist()
+            prompts = torch.randint(2, engine.llm.model_config.vocab_size, (a.num_prompts, a.prompt_len),
+                                    generator=g).tolist()
         params = [SamplingParams(temperature=a.temperature, max_tokens=a.max_tokens, seed=a.seed + i, ignore_eos=True)
                   for i in range(a.num_prompts)]
-        engine.submit(prompts[0], SamplingParams(max_tokens=2)).result()  # warm-up: first-call costs
+        # warm-up, a batch of the same shape (other ids: no prefix-cache hits later): first-call costs
+        # and the CUDA-graph captures of its decode / verify / draft buckets stay out of the timing
+        vocab = engine.llm.model_config.vocab_size
+        g = torch.Generator().manual_seed(a.seed + 1)
+        warm = [engine.submit(torch.randint(2, vocab, (len(p),), generator=g).tolist(),
+                              SamplingParams(temperature=a.temperature, max_tokens=min(a.max_tokens, 4), ignore_eos=True))
+                for p in prompts]
+        for w in warm:
+            w.result()
+        if engine.llm.speculator is not None:  # acceptance of the timed requests only
+            engine.llm.speculator.stats = SpecStats()
         first: list[float] = []  # seconds from t0 to a request's first token
         last: list[float] = []  # ... to its last one
         counts: list[int] = []
