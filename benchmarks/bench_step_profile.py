@@ -62,7 +62,7 @@ def kernel_group(name: str, launched_in: str | None) -> str:
         return "sampling"
     if n.startswith("memcpy") or n.startswith("memset") or "copy" in n:
         return "copies / memsets"
-    if n.startswith("moe_"):
+    if "moe_" in n:  # dsa_moe::moe_gemm_kernel, moe_* helpers
         return "MoE"
     if any(k in n for k in _DSA):
         return "DSA attention ops"
@@ -130,11 +130,18 @@ def profiled_step(llm: LLM) -> dict:
         if e.device_type() == DeviceType.CPU and e.name().startswith(("cuda", "cu")) and corr(e):
             inside = [n for n, (s, f) in spans.items() if n != STEP and s <= e.start_ns() <= f]
             launch_phase[corr(e)] = inside[0] if inside else None
+    # the profiler mirrors our record_function ranges onto the GPU timeline (gpu_user_annotation):
+    # they span the kernels they launched and are no GPU work of their own
     gpu = sorted((max(e.start_ns(), t0), min(e.end_ns(), t1), e.name(), corr(e)) for e in events
-                 if e.device_type() == DeviceType.CUDA and e.end_ns() > t0 and e.start_ns() < t1)
+                 if e.device_type() == DeviceType.CUDA and e.end_ns() > t0 and e.start_ns() < t1
+                 and not e.name().startswith("bench:"))
     busy = {g: 0.0 for g in GROUPS}
+    kernels: dict[str, list[float]] = {}  # name -> [calls, µs of its own span]; overlaps not removed
     intervals, cursor = [], t0
     for s, f, name, corr in gpu:
+        k = kernels.setdefault(name, [0, 0.0])
+        k[0] += 1
+        k[1] += (f - s) / 1e3
         s = max(s, cursor)  # overlapping kernels count once
         if f > s:
             busy[kernel_group(name, launch_phase.get(corr))] += (f - s) / 1e3
@@ -150,7 +157,7 @@ def profiled_step(llm: LLM) -> dict:
         for label, s, f in bounds:
             idle[label] += max(0, min(b, f) - max(a, s)) / 1e3
     host = {label: (f - s) / 1e3 for label, s, f in bounds}
-    return {"wall": (t1 - t0) / 1e3, "gpu": busy, "idle": idle, "host": host}
+    return {"wall": (t1 - t0) / 1e3, "gpu": busy, "idle": idle, "host": host, "kernels": kernels}
 
 
 def decode_llm(engine: Engine, batch: int, context: int, graphs: bool, warm_steps: int, max_tokens: int) -> LLM:
@@ -190,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--context", type=int, default=512, help="prompt tokens of each request (default 512)")
     ap.add_argument("--steps", type=int, default=5, help="profiled decode steps per column; the median is shown")
     ap.add_argument("--quick", action="store_true", help="3 profiled and 5 plain steps per column")
+    ap.add_argument("--top", type=int, default=15, help="GPU activities listed per column, longest first (0: none)")
     a = ap.parse_args(argv)
     engine = Engine.load(a.engine)
     steps, plain = (3, 5) if a.quick else (a.steps, 20)
@@ -220,6 +228,11 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|" + "---:|" * len(names))
     for label, _ in PHASES:
         print(f"| {label} | " + " | ".join(f"{cols[n]['host'][label]:.1f}" for n in names) + " |")
+    for n in names if a.top else []:
+        print(f"\nlongest GPU activities of {n} (µs of each one's own span; overlaps not removed):")
+        print("| µs | calls | name |\n|---:|---:|---|")
+        for name, (calls, us) in sorted(cols[n]["kernels"].items(), key=lambda kv: -kv[1][1])[: a.top]:
+            print(f"| {us:.1f} | {calls} | {name[:120]} |")
     bad = [n for n in names if abs(sum(cols[n]["gpu"].values()) + sum(cols[n]["idle"].values()) - cols[n]["wall"]) > 0.5
            or abs(sum(cols[n]["host"].values()) - cols[n]["wall"]) > 0.5]
     if bad:
