@@ -64,9 +64,10 @@ def fp8_engine(tiny_ckpt, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def gpu_engine(tiny_ckpt, tmp_path_factory) -> Path:
+def gpu_engine(request, tmp_path_factory) -> Path:
     """The tiny CUDA engine (AOTInductor, our kernels, bf16, fp8 caches), built once per session;
-    DSA_TEST_GPU_ENGINE points at one built earlier in the same device run (saves a compile)."""
+    DSA_TEST_GPU_ENGINE points at one built earlier in the same device run (saves a compile, and
+    needs no checkpoint: the tiny one is asked for only to build)."""
     from dsa_trt.builder.build import build_engine
     from dsa_trt.plugins import cuda_ops
 
@@ -74,5 +75,6 @@ def gpu_engine(tiny_ckpt, tmp_path_factory) -> Path:
     if os.environ.get("DSA_TEST_GPU_ENGINE"):
         return Path(os.environ["DSA_TEST_GPU_ENGINE"])
     out = tmp_path_factory.mktemp("gpu") / "tiny-fp8-cuda"
-    build_engine(tiny_ckpt, out, cache_mode="fp8", compiler="aoti", device="cuda", dtype="bfloat16")
+    build_engine(request.getfixturevalue("tiny_ckpt"), out, cache_mode="fp8", compiler="aoti", device="cuda",
+                 dtype="bfloat16")
     return out

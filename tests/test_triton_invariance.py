@@ -15,11 +15,14 @@ the token ids, so different tokens show as different text).
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from dsa_trt.engine_config import EngineConfig
 from dsa_trt.runtime.llm import LLM
 from dsa_trt.runtime.triton import INPUTS, TritonServer, free_ports, parse_request, write_model_repository
 from tests.test_triton import GRPC_DTYPES, MODEL, NP_DTYPES, Streams
@@ -78,10 +81,8 @@ def engine_dir(mode):
     return mode[0]
 
 
-@pytest.fixture(scope="module")
-def alone(mode):
+def run_alone(engine_dir: Path, deterministic: bool) -> list:
     """Each request run alone, offline, with the parameters the server's parser makes of it."""
-    engine_dir, deterministic = mode
     llm = LLM(engine_dir, num_pages=NUM_PAGES, deterministic=deterministic)
     vocab = llm.model_config.vocab_size
     outs = []
@@ -96,10 +97,9 @@ def alone(mode):
     return outs
 
 
-@pytest.fixture(scope="module")
-def server(mode, tmp_path_factory):
-    engine_dir, deterministic = mode
-    work = tmp_path_factory.mktemp("triton-invariance")
+@contextmanager
+def serving(engine_dir: Path, deterministic: bool, work: Path):
+    """A tritonserver serving engine_dir with NUM_PAGES pages, in the deterministic or the default mode."""
     repo = write_model_repository(engine_dir, work / "model_repository", MODEL, num_pages=NUM_PAGES)
     srv = TritonServer(repo.path, *free_ports(3), extra_args=["--exit-timeout-secs=5"])
     # the backend's torch: one thread as the oracle (8x faster on a busy 2-core CPU); its LLM reads
@@ -119,6 +119,33 @@ def server(mode, tmp_path_factory):
                 os.environ[k] = v
 
 
+def differences(alone: list, served: list[tuple[str, int]], engine_dir: Path) -> list[str]:
+    """The requests whose served (text, token count) differ from alone; first checks that the prompt
+    mix holds sparse requests (more prompt tokens than the engine's index_topk)."""
+    topk = EngineConfig.load(engine_dir).model.index_topk
+    long_ = [i for i in range(NUM_REQUESTS) if len(alone[i].prompt_token_ids) > topk]
+    assert len(long_) >= NUM_REQUESTS // 2, f"the long prompts must exceed index_topk ({topk}) to be sparse"
+    differ = []
+    for i, ((got, count), want) in enumerate(zip(served, alone, strict=True)):
+        # one streamed piece per generated token: the count must match as well as the text
+        if got != want.text or count != len(want.token_ids):
+            kind = "greedy" if i % 2 == 0 else f"seed {50_000 + i}"
+            differ.append(f"r{i} ({kind}, {len(want.prompt_token_ids)} prompt tokens): served {got!r} "
+                          f"({count} tokens) != alone {want.text!r} ({len(want.token_ids)} tokens)")
+    return differ
+
+
+@pytest.fixture(scope="module")
+def alone(mode):
+    return run_alone(*mode)
+
+
+@pytest.fixture(scope="module")
+def server(mode, tmp_path_factory):
+    with serving(*mode, tmp_path_factory.mktemp("triton-invariance")) as srv:
+        yield srv
+
+
 def test_concurrent_streams_equal_each_request_alone(alone, server, engine_dir):  # the oracle first: no CPU race
     s = Streams(server.grpc_url, NUM_STREAMS)
     try:
@@ -128,16 +155,8 @@ def test_concurrent_streams_equal_each_request_alone(alone, server, engine_dir):
     finally:
         s.close()
     assert not s.errors, s.errors[:5]
-    long_ = [i for i in range(NUM_REQUESTS) if len(alone[i].prompt_token_ids) > 16]
-    assert len(long_) >= NUM_REQUESTS // 2, "the long prompts must exceed index_topk (16) to be sparse"
-    differ = []
-    for i in range(NUM_REQUESTS):
-        got, want = "".join(s.chunks[f"r{i}"]), alone[i]
-        # one streamed piece per generated token: the count must match as well as the text
-        if got != want.text or sum(s.counts[f"r{i}"]) != len(want.token_ids):
-            kind = "greedy" if i % 2 == 0 else f"seed {50_000 + i}"
-            differ.append(f"r{i} ({kind}, {len(want.prompt_token_ids)} prompt tokens): served {got!r} "
-                          f"({sum(s.counts[f'r{i}'])} tokens) != alone {want.text!r} ({len(want.token_ids)} tokens)")
+    served = [("".join(s.chunks[f"r{i}"]), sum(s.counts[f"r{i}"])) for i in range(NUM_REQUESTS)]
+    differ = differences(alone, served, engine_dir)
     assert not differ, f"{len(differ)}/{NUM_REQUESTS} served requests differ from alone ({engine_dir.name}):\n" + \
         "\n".join(differ[:10])
 

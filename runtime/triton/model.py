@@ -28,6 +28,12 @@ def _error(message: str, code_name: str = "INVALID_ARG") -> "pb_utils.InferenceR
 
 class TritonPythonModel:
     def initialize(self, args):
+        if int(np.__version__.split(".")[0]) >= 2:  # the numpy triton_python_backend_utils imported
+            raise pb_utils.TritonModelException(
+                f"numpy {np.__version__} ({np.__file__}): the python backend stub of tritonserver 2.51 is built "
+                "with pybind11 2.10, whose tensors break under numpy >= 2 (python_backend#384): run the server "
+                "from an environment with numpy<2 (pyproject's pin; the stub takes the venv of the first python3 "
+                "on PATH)")
         self.model_config = json.loads(args["model_config"])
         params = {k: v["string_value"] for k, v in self.model_config.get("parameters", {}).items()}
         for path in params.get("site_packages", "").split(os.pathsep):

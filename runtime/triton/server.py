@@ -10,6 +10,7 @@ adds this venv's site-packages itself (the repository's config names them).
 from __future__ import annotations
 
 import errno
+import importlib.util
 import json
 import os
 import shutil
@@ -32,11 +33,12 @@ class ServerError(RuntimeError):
 
 
 def pytriton_dir() -> Path:
-    try:
-        import pytriton
-    except ImportError as e:
-        raise ServerError("the `serve` extra is not installed: pip install -e '.[serve]' (nvidia-pytriton)") from e
-    return Path(pytriton.__file__).resolve().parent
+    """The PyTriton package folder, found without importing it: its __init__ loads PyTriton's client
+    stack (tritonclient, zmq, sh), which the bundled server and backend do not need."""
+    spec = importlib.util.find_spec("pytriton")
+    if spec is None or not spec.submodule_search_locations:
+        raise ServerError("the `serve` extra is not installed: pip install -e '.[serve]' (nvidia-pytriton)")
+    return Path(next(iter(spec.submodule_search_locations))).resolve()
 
 
 def server_binary() -> Path:
@@ -134,7 +136,8 @@ class TritonServer:
         env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (str(server_libs()), env.get("LD_LIBRARY_PATH")) if p)
         # The stub embeds the system libpython; it finds this venv (and its numpy<2, which
         # triton_python_backend_utils imports before model.py can extend sys.path) only when the
-        # venv's bin comes first on PATH, as after activation (PYTHONPATH alone did not do it).
+        # venv's bin comes first on PATH, as after activation. PYTHONPATH does not reach its sys.path
+        # (the stub's environment has it; its interpreter ignores it).
         env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
         # own process group: stop() signals the server and its python-backend stubs together
         if self.inherit_output:
