@@ -67,7 +67,7 @@ if has spec; then  # MTP speculative decoding: tokens/s with and without it, CUD
   for b in 1 8 32; do
     for spec in "" "--speculative mtp"; do
       # shellcheck disable=SC2086
-      timeout 120 python3 -m dsa_trt.runtime.cli bench --engine "$ENGINE" --num-prompts $b --max-tokens 64 \
+      timeout 120 python3 -m dsa_trt.runtime.cli bench --engine "$ENGINE" --num-prompts $b --max-tokens 128 \
         --temperature 0 --prompt-file "$LOG/heldout.txt" --prompt-len 16 $spec > "$LOG/bench_spec_b${b}${spec:+_mtp}.log" 2>&1
       echo "bench B=$b ${spec:-plain}: rc=$? $(grep -E 'output tok/s|acceptance' "$LOG/bench_spec_b${b}${spec:+_mtp}.log" | tr '\n' ' ')"
     done
