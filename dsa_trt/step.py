@@ -70,10 +70,13 @@ POOL_OUTPUT_SUFFIX = "_out"
 
 class StepOutput(NamedTuple):
     """What one program call returns: ``logits`` [logit_rows, vocab] fp32 and ``hidden``
-    [tokens, hidden_size] (None when the program does not return it)."""
+    [tokens, hidden_size] (None when the program does not return it). ``drafts`` is the runtime's,
+    never a program's: the next draft token per sequence [batch] of a fused MTP verify step
+    (runtime/speculative.py)."""
 
     logits: torch.Tensor
     hidden: torch.Tensor | None = None
+    drafts: torch.Tensor | None = None
 
     @classmethod
     def of(cls, result) -> "StepOutput":

@@ -126,7 +126,8 @@ class _Graph:
         self.graph.replay()
         real = step.logits_indices.shape[0]
         out_hidden = None if self.out.hidden is None else self.out.hidden.index_select(0, dst)
-        return StepOutput(self.out.logits[:real], out_hidden)
+        drafts = None if self.out.drafts is None else self.out.drafts[: step.page_table.shape[0]]
+        return StepOutput(self.out.logits[:real], out_hidden, drafts)
 
 
 class CudaGraphRunner:
@@ -135,10 +136,13 @@ class CudaGraphRunner:
     eagerly. Steps come in on the host (CPU); results are on the engine's device."""
 
     def __init__(self, engine: Engine, mla_pools: list[torch.Tensor], index_pools: list[torch.Tensor],
-                 max_batch: int | None = None, min_batch: int = 1, draft: bool = False):
+                 max_batch: int | None = None, min_batch: int = 1, draft: bool = False,
+                 call: Callable[[StepInputs], StepOutput] | None = None):
         if engine.device.type != "cuda":
             raise ValueError("CUDA graphs need an engine on a CUDA device")
-        self.engine, self.draft = engine, draft
+        # call: a step function over the main program's step layout (the speculator's fused verify +
+        # draft step) captured in place of the program itself
+        self.engine, self.draft, self.call = engine, draft, call
         self.pools = (mla_pools, index_pools)
         cfg = engine.config
         cap = min(max_batch or cfg.max_batch, cfg.max_batch)
@@ -151,6 +155,8 @@ class CudaGraphRunner:
         self._pool_handle = torch.cuda.graph_pool_handle()
 
     def _call(self, step: StepInputs, hidden: torch.Tensor | None = None) -> StepOutput:
+        if self.call is not None:
+            return self.call(step)
         if self.draft:
             return self.engine.draft(step, hidden, *self.pools)
         return self.engine.run(step, *self.pools)
@@ -162,7 +168,8 @@ class CudaGraphRunner:
             hidden = torch.cat([hidden, hidden.new_zeros(padded.input_ids.shape[0] - hidden.shape[0], hidden.shape[1])])
         out = self._call(with_device_ids(padded.to(dev), device_ids), hidden)
         return StepOutput(out.logits[: step.logits_indices.shape[0]],
-                          None if out.hidden is None else out.hidden[: step.input_ids.shape[0]])
+                          None if out.hidden is None else out.hidden[: step.input_ids.shape[0]],
+                          None if out.drafts is None else out.drafts[: step.page_table.shape[0]])
 
     def bucket(self, step: StepInputs) -> tuple[Uniform, int, int] | None:
         """The graph bucket of a host step, or None (it runs eagerly)."""

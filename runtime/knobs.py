@@ -78,6 +78,8 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
     Knob("DSA_CACHE_FRACTION", "0.5", "fraction of free GPU memory (after the engine loads) for the caches, in (0, 1)",
          _open_float(0.0, 1.0)),
     Knob("DSA_CUDA_GRAPHS", "1", "1: capture decode steps in CUDA graphs; 0: eager launches", _choice("0", "1")),
+    Knob("DSA_MTP_FUSED", "0", "1: a greedy one-draft MTP verify step runs the next step's draft pass in the same call "
+         "(one CUDA graph; not yet measured on a GPU)", _choice("0", "1")),
     Knob("DSA_DETERMINISTIC", "0", "1: pad every step to a multiple of 16 tokens so a request's logits do not "
          "depend on its batch (bitwise on the CPU engine); 0: off", _choice("0", "1")),
     Knob("DSA_VERIFY_ENGINE", "full", "engine-dir check at load: full (sha256 of every file of the rank), size "

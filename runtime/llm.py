@@ -100,7 +100,8 @@ class LLM:
         self.pool = PagePool(pages)
         self.mla_pools, self.index_pools = allocate_pools(cfg.model, cfg.cache_mode, pages, self.device)
         pad = DETERMINISTIC_TOKEN_BLOCK if self.deterministic else 1
-        self.speculator = MTPSpeculator(self.engine, self.num_draft, pages, pad) if self.num_draft else None
+        self.speculator = (MTPSpeculator(self.engine, self.num_draft, pages, pad, fused=knobs.get("DSA_MTP_FUSED") == "1")
+                           if self.num_draft else None)
         self.graphs = None
         if self.device.type == "cuda" and knobs.get("DSA_CUDA_GRAPHS") == "1" and _kernels_capturable():
             from .cuda_graphs import CudaGraphRunner
@@ -112,6 +113,11 @@ class LLM:
                 self.speculator.graphs = CudaGraphRunner(self.engine, self.speculator.mla_pools,
                                                          self.speculator.index_pools, max_num_seqs,
                                                          min_batch=min_batch, draft=True)
+                if self.speculator.fused:  # verify + the next draft pass in one graph
+                    pools = (self.mla_pools, self.index_pools)
+                    self.speculator.fused_graphs = CudaGraphRunner(
+                        self.engine, *pools, max_num_seqs, min_batch=min_batch,
+                        call=lambda st: self.speculator.fused_call(st, pools))
         # What one sequence can hold: positions, page-table width, and the whole pool (a request
         # longer than the pool could only be cut short). Requests beyond it are refused at add.
         self.limits = {
@@ -230,7 +236,10 @@ class LLM:
             try:
                 # the MTP pass: drafts into step.inputs, greedy ones as device ids (no sync)
                 device_ids = self.speculator.propose(step) if self.speculator is not None else None
-                out = self._run(step.inputs, device_ids)
+                if self.speculator is not None and self.speculator.fuses(step):
+                    out = self.speculator.run_fused(step.inputs, device_ids, (self.mla_pools, self.index_pools))
+                else:
+                    out = self._run(step.inputs, device_ids)
                 if self.speculator is not None:
                     sampled, logps = self.speculator.verify(step, out)
                 else:

@@ -65,7 +65,8 @@ class Request:
     # holds the main model's final-norm states of positions [mtp_computed, num_computed), whose
     # entries the next step's MTP pass writes (runtime/speculative.py)
     mtp_computed: int = 0
-    hidden: Any = None
+    hidden: Any = None  # an empty one: a fused step's MTP pass covered them all and left `draft`
+    draft: Any = None  # the next draft token (0-d, on the device) a fused verify step made
     finish_reason: str | None = None  # "stop", "length", "cancelled" or "error"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
 
@@ -214,7 +215,7 @@ class Scheduler:
         else:
             self.waiting.remove(req)
         self.pool.free(req.pages)
-        req.pages, req.page_keys, req.hidden = [], [], None
+        req.pages, req.page_keys, req.hidden, req.draft = [], [], None, None
         req.state, req.finish_reason, req.stop_reason = RequestState.FINISHED, reason, stop_reason
         return req
 
@@ -365,7 +366,7 @@ class Scheduler:
         req.pages = hit_pages + self.pool.allocate(need)
         req.page_keys = hit_keys
         req.num_computed = req.num_cached_tokens = req.mtp_computed = start  # hit pages hold MTP entries too
-        req.hidden = None
+        req.hidden = req.draft = None
         req.state = RequestState.RUNNING
         bisect.insort(self.running, req, key=lambda r: r.arrival)
         return n
@@ -374,7 +375,7 @@ class Scheduler:
         self.running.remove(req)
         self.pool.free(req.pages)
         req.pages, req.page_keys, req.num_computed = [], [], 0
-        req.mtp_computed, req.hidden = 0, None
+        req.mtp_computed, req.hidden, req.draft = 0, None, None
         req.state = RequestState.WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1
@@ -384,6 +385,7 @@ class Scheduler:
         """Publish pages that became full and computed this step in the prefix cache (with speculative
         decoding: also covered by the MTP layer's cache, whose entries lag the main layers by a step)."""
         done = min(req.num_computed, req.mtp_computed) if self.num_draft else req.num_computed
+        done = min(done, len(req.token_ids))  # accepted drafts are computed before update() appends them
         for i in range(len(req.page_keys), done // PAGE_SIZE):
             parent = req.page_keys[-1] if req.page_keys else None
             key = page_key(parent, req.token_ids[i * PAGE_SIZE : (i + 1) * PAGE_SIZE])

@@ -138,11 +138,16 @@ class MTPSpeculator:
     """The draft side of speculative decoding for one LLM: the MTP layer's pools (one layer, on the
     same page ids as the main pools) and the propose / verify hooks around each target step."""
 
-    def __init__(self, engine, num_draft: int, num_pages: int, pad_to: int = 1):
+    def __init__(self, engine, num_draft: int, num_pages: int, pad_to: int = 1, fused: bool = False):
         cfg = engine.config
         if not engine.has_draft:
             raise ValueError("speculative decoding needs the engine's MTP draft program (Engine.load(..., draft=True))")
         self.engine, self.num_draft, self.pad_to = engine, num_draft, pad_to
+        # fused: a greedy one-draft verify step runs the MTP pass of its own positions in the same
+        # call (fused_step), so the next step needs no draft pass of its own (DSA_MTP_FUSED)
+        self.fused = fused and num_draft == 1
+        self.fused_graphs = None  # a CudaGraphRunner over fused_call (set by the LLM on a GPU)
+        self.fused_steps = 0
         self.device = engine.device
         self.mla_pools, self.index_pools = allocate_pools(cfg.model, cfg.cache_mode, num_pages, self.device,
                                                           num_layers=1)
@@ -181,9 +186,22 @@ class MTPSpeculator:
         over the placeholders on the device; verify() reads them with the target's argmax, in the
         step's one device sync."""
         self._drafts, self._greedy = {}, None
+        drafts: dict[int, list] = {}  # host ints (sampled rows), device 0-d tensors (greedy)
+        for b, s in enumerate(step.seqs):  # drafted by the previous, fused step: nothing to run
+            r = s.request
+            if r.hidden is not None and len(r.hidden) == 0:
+                if s.num_draft:
+                    drafts[b] = [r.draft]
+                r.hidden = r.draft = None
         pending = [(b, s) for b, s in enumerate(step.seqs) if s.request.hidden is not None]
-        if not pending:
+        if not pending and not drafts:
             return None
+        qs = self._draft_pass(step, pending, drafts) if pending else {}
+        return self._placeholders(step, drafts, qs)
+
+    def _draft_pass(self, step, pending, drafts: dict[int, list]) -> dict[int, list[torch.Tensor]]:
+        """The MTP pass over the pending positions of ``pending`` (seq index, seq): the drafts of
+        those that decode in this step go into ``drafts``; returns the sampled rows' q per draft."""
         packed, hidden, last = [], [], []
         for _, s in pending:
             r = s.request
@@ -197,7 +215,7 @@ class MTPSpeculator:
             s.request.mtp_computed, s.request.hidden = s.request.num_computed, None
             if s.num_draft:
                 state[b] = (out.logits[i], out.hidden[last[i]])
-        drafts: dict[int, list] = {b: [] for b in state}  # host ints (sampled rows), device 0-d tensors (greedy)
+        drafts.update({b: [] for b in state})
         qs: dict[int, list[torch.Tensor]] = {b: [] for b in state}
         for j in range(self.num_draft):
             active = [b for b in state if step.seqs[b].num_draft > j]
@@ -220,6 +238,11 @@ class MTPSpeculator:
             out = self._draft_call(inputs, torch.stack([state[b][1] for b in more]), self._device_ids(
                 [(i, drafts[b][-1]) for i, b in enumerate(more)], inputs))
             state.update({b: (out.logits[i], out.hidden[i]) for i, b in enumerate(more)})
+        return qs
+
+    def _placeholders(self, step, drafts: dict[int, list], qs: dict[int, list[torch.Tensor]]) -> DeviceIds | None:
+        """Every decoding sequence's drafts into the target step: host ones into step.inputs, device
+        ones as the returned DeviceIds; records what verify() needs."""
         end, placeholders = 0, []
         for b, s in enumerate(step.seqs):
             end += s.num_tokens
@@ -228,7 +251,7 @@ class MTPSpeculator:
                     raise RuntimeError(f"request {s.request.request_id!r}: scheduled {s.num_draft} drafts without "
                                        "an MTP state (scheduler and speculator disagree)")
                 placeholders += [(end - s.num_draft + j, d) for j, d in enumerate(drafts[b])]
-                self._drafts[b] = (drafts[b], torch.stack(qs[b]) if qs[b] else None)
+                self._drafts[b] = (drafts[b], torch.stack(qs[b]) if qs.get(b) else None)
         device_ids = self._device_ids(placeholders, step.inputs)
         if device_ids is not None:
             self._greedy = device_ids[1]
@@ -254,6 +277,42 @@ class MTPSpeculator:
         if not rows:
             return None
         return torch.tensor(rows, dtype=torch.int64), torch.stack(values)
+
+    # ------------------------------------------------------------ the fused verify + draft step
+    def fuses(self, step) -> bool:
+        """Whether the target step runs fused: every sequence a greedy decode with one draft (two
+        query tokens, each with a logits row), so the MTP pass of the next step covers exactly
+        this step's positions with the target's argmax as their next tokens."""
+        return self.fused and bool(step.seqs) and all(
+            s.num_draft == 1 and s.num_tokens == 2 and s.samples and s.request.params.greedy for s in step.seqs)
+
+    def fused_call(self, step: StepInputs, main_pools) -> StepOutput:
+        """The target program, then the MTP program on the same rows: at position i (rows 2b, 2b + 1
+        of sequence b) the next token t_{i+1} is the target's argmax there (the draft was that token
+        when accepted, the correction when not), the hidden state the target's. The next draft of
+        sequence b comes from its last accepted row: row 2b + 1 when its draft (input row 2b + 1)
+        equals the target's argmax at row 2b, else row 2b. A rejected row's MTP cache entry is
+        rewritten by the next step, like the main caches'. Device work only: graph capturable."""
+        out = self.engine.run(step, *main_pools)
+        target = out.logits.argmax(-1)  # every row has a logits row, in token order
+        mtp_step = StepInputs(target, step.positions, step.req_idx, step.page_table, step.slot_mapping,
+                              step.logits_indices)
+        nxt = self.engine.draft(mtp_step, out.hidden, self.mla_pools, self.index_pools).logits.argmax(-1)
+        pairs = step.page_table.shape[0]
+        ids, target, nxt = (t[: 2 * pairs].view(pairs, 2) for t in (step.input_ids, target, nxt))
+        drafts = torch.where(ids[:, 1] == target[:, 0], nxt[:, 1], nxt[:, 0])
+        return StepOutput(out.logits, out.hidden, drafts)
+
+    def run_fused(self, inputs: StepInputs, device_ids: DeviceIds | None, main_pools) -> StepOutput:
+        """fused_call on a host step: replayed from a CUDA graph where one is set, else eagerly."""
+        self.fused_steps += 1
+        if self.fused_graphs is not None:
+            return self.fused_graphs.run(inputs, device_ids=device_ids)
+        real = inputs.logits_indices.shape[0]
+        if self.pad_to > 1:
+            inputs = inputs.pad_tokens(self.pad_to)  # appends rows: the real pairs stay first
+        out = self.fused_call(with_device_ids(inputs.to(self.device), device_ids), main_pools)
+        return StepOutput(out.logits[:real], out.hidden, out.drafts)
 
     @torch.no_grad()
     def verify(self, step, out: StepOutput) -> tuple[list[list[int]], list[list[float]] | None]:
@@ -301,7 +360,13 @@ class MTPSpeculator:
             self.stats.drafted += d
             self.stats.accepted += k
             self.stats.verify_steps += 1
-        self._store_hidden(step, out, tokens)
+        if out.drafts is not None:  # fused: the MTP layer already covers the accepted positions
+            empty, drafts = out.hidden[:0], out.drafts.clone()  # a graph replay overwrites its outputs
+            for b, s in enumerate(step.seqs):
+                r = s.request
+                r.mtp_computed, r.hidden, r.draft = s.start + len(tokens[b]), empty, drafts[b]
+        else:
+            self._store_hidden(step, out, tokens)
         order = [b for b, _ in sampling]
         logps = None
         if any(s.request.params.logprobs is not None for _, s in sampling):

@@ -65,3 +65,18 @@ def test_speculative_steps_replay_cuda_graphs(gpu_engine):
         assert any(shape.q == n + 1 and shape.all_logits for shape, _, _ in llm.graphs.captured), \
             f"mtp:{n}: no verify step went through a CUDA graph ({llm.graphs.captured})"
         assert llm.speculator.graphs.captured, f"mtp:{n}: no draft pass went through a CUDA graph"
+
+
+def test_fused_verify_and_draft_replays_one_cuda_graph(gpu_engine, monkeypatch):
+    """DSA_MTP_FUSED=1: a greedy one-draft verify step and the next step's MTP pass replay as one
+    CUDA graph (runtime/speculative.py fused_call); greedy output equals plain greedy decoding."""
+    from dsa_trt.runtime.llm import LLM
+
+    plain = _greedy(LLM(gpu_engine, num_pages=64, deterministic=True))
+    monkeypatch.setenv("DSA_MTP_FUSED", "1")
+    llm = LLM(gpu_engine, num_pages=64, speculative="mtp", deterministic=True)
+    assert llm.speculator.fused_graphs is not None
+    assert _greedy(llm) == plain
+    assert llm.speculator.fused_steps > 0 and llm.speculator.fused_graphs.captured, "no fused step replayed a graph"
+    print(f"\n[gpu] fused MTP: {llm.speculator.fused_steps} fused steps, acceptance "
+          f"{llm.spec_stats.acceptance_rate:.1%}, buckets {llm.speculator.fused_graphs.captured}")

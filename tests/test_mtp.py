@@ -107,12 +107,14 @@ def _corpus_prompts(n: int, lengths: list[int]) -> list[list[int]]:
     return [x[:k] for x, k in zip(ids, lengths)]
 
 
-@pytest.mark.parametrize("spec", ["mtp", "mtp:2"])
-def test_greedy_output_equals_plain_decoding(mtp_engine, spec, one_thread):
+@pytest.mark.parametrize("spec,fused", [("mtp", "0"), ("mtp", "1"), ("mtp:2", "0")])
+def test_greedy_output_equals_plain_decoding(mtp_engine, spec, fused, one_thread, monkeypatch):
     """A batch of prompts (T <= index_topk = 16 and T >> 16), two of them sharing a 64-token prefix
     (a prefix-cache hit), on a pool small enough to preempt: MTP greedy output == plain greedy output,
-    token for token, and drafts are accepted."""
+    token for token, and drafts are accepted; also with the fused verify + draft step (DSA_MTP_FUSED)."""
     from dsa_trt.runtime.llm import LLM
+
+    monkeypatch.setenv("DSA_MTP_FUSED", fused)
 
     prompts = _corpus_prompts(5, [9, 60, 50, 100, 90])
     prompts.append(prompts[3][:70] + prompts[1][:6])  # shares the first page of prompt 3 (prefix hit)
@@ -129,6 +131,8 @@ def test_greedy_output_equals_plain_decoding(mtp_engine, spec, one_thread):
         assert g.token_ids == w.token_ids, f"prompt {i} ({len(prompts[i])} tokens): {g.token_ids} != {w.token_ids}"
     st = spec_llm.spec_stats
     assert st.drafted > 0 and 0 < st.accepted < st.drafted, st
+    if fused == "1":
+        assert spec_llm.speculator.fused_steps > 0, "no step ran fused"
     assert spec_llm.pool.stats.hit_pages > 0, "no prefix-cache hit in the batch"
     assert spec_llm.scheduler.num_preemptions > 0, "no preemption: make the pool smaller"
     # every page is back once the requests are done (accepted or rolled back, none leaked)
