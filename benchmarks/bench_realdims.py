@@ -1,6 +1,6 @@
 """Per-layer time of a real-dims V3.2 slice against its roofline, and a modelled 8xH200 decode (issue 25 item 7).
 
-    python benchmarks/bench_realdims.py [--checkpoint DIR] [--layers 4] [--experts 256] [--quick]
+    python benchmarks/bench_realdims.py [--checkpoint DIR] [--layers 4] [--experts 256] [--quick] [--no-graphs]
 
 The network: DSAForCausalLM with V3.2's real per-layer dims (export/real_dims.py), bf16 activations,
 fp8 caches, every e4m3 Linear kept W8A8 (weight_format="fp8") and the routed experts as one
@@ -12,12 +12,39 @@ timings depend on shapes, not on weight values (the router's random weights spre
 over the experts about evenly, as the generator's do). The caches are filled with random finite
 e4m3 bytes (synthetic context), pages scattered.
 
-Timing: eager forwards, the stream cut at every region boundary (CUDA events; on the CPU the
-wall clock after each synchronous op): DSA attention, in two columns = indexer_k_cache_write +
-indexer_logits + topk_translate | mla_cache_write + sparse_mla; linears = every Fp8Linear / nn.Linear call (the
-shared expert's too); MoE = router + dsa::moe_experts; rest = everything else in the layer
-(norms, RoPE, Hadamard, the absorbed einsums, quantisation, residuals) and the launch gaps of the
-eager stream. Median of the timed forwards, per layer kind (layer 0 dense; the MoE layers averaged).
+Eager timing (every shape): eager forwards, the stream cut at every region boundary (CUDA events;
+on the CPU the wall clock after each synchronous op): DSA attention, in two columns =
+indexer_k_cache_write + indexer_logits + topk_translate | mla_cache_write + sparse_mla; linears =
+every Fp8Linear / nn.Linear call (the shared expert's too); MoE = router + dsa::moe_experts; rest =
+everything else in the layer (norms, RoPE, Hadamard, the absorbed einsums, quantisation, residuals)
+and the launch gaps of the eager stream. Median of the timed forwards, per layer kind (layer 0
+dense; the MoE layers averaged). The decode rows are host bound this way (launch gaps in "rest").
+
+CUDA-graph timing (decode shapes, as the runtime serves them; skipped with ``--no-graphs`` and off
+CUDA), a second sweep after the eager one: per decode shape, a step and pools built as for its eager
+rows (fresh random tokens, pages and context), the network's whole forward of that step warmed up
+twice on a side stream and captured into one torch.cuda.CUDAGraph, as runtime/cuda_graphs.py's
+_Graph does. "graph µs/step": median of ``--replays`` replays, CUDA events around each. "eager
+µs/step": median of as many eager forwards of the shape without the region hooks, CUDA events around
+each, timed in the eager sweep (before any profiler session). The per-layer, per-region split inside
+the graph comes from torch.profiler (CPU + CUDA activities) over one eager forward and then
+PROFILED_REPLAYS replays, each replay alone on the GPU (synchronised before and after):
+- In the eager forward every GPU activity (kernel, memcpy, memset) gets the (layer, region) of the
+  innermost profiler range open when its launch ran (linked by correlation id); the ranges are the
+  eager table's cuts (the same hooks), so the columns mean what they mean there.
+- A replay runs the captured launches in capture order on one stream, so its k-th activity (by
+  start time) is the eager forward's k-th: the two name sequences are aligned with difflib
+  (autojunk off); an activity with no same-name partner takes the tag of the activity before it,
+  and the shape's line says how many did.
+- Each activity is charged from the previous activity's end (the first: its own start) to its own
+  end: the charges tile the replay's span exactly, each gap between graph nodes going to the node
+  after it. "rest" is then the graph's norms, RoPE, quantisation... and its node gaps.
+- Per layer kind: median over the replays of the mean over the layers of that kind. "of it outside
+  the layers": the charges outside any layer (embedding, final norm, the fp32 lm_head), median.
+The split's replays run under CUPTI, the step column without it; the shape's line prints both. The
+graph rows' experts touched (and their roofline's routed bytes) are the tagged eager forward's: the
+graph's own step. A shape whose capture, replay or split fails says so in its graph row (with what
+was measured) and the sweep goes on.
 
 Roofline per layer: max(bytes / 4.2 TB/s, fp8 FLOPs / 1377 TFLOP/s + bf16 FLOPs / 758 TFLOP/s),
 bytes = weights touched (every weight of the layer but the routed experts, plus the routed
@@ -29,17 +56,21 @@ absorbed einsums (bf16).
 
 The model of the 61-layer V3.2 on 8 H200s (the plan that fits, TP8 attention + EP8 experts, README
 "Fitting a model"): per GPU and layer, at the whole node's batch B, the single-GPU layer measured
-here at B with the sparse MLA (heads split 8 ways) and the routed MoE (1/8 of the pairs on each
-GPU) divided by 8; the indexer (replicated), the linears and the rest undivided (conservative:
-q_b / o_proj / kv_b are head-split under TP8); plus the EP dispatch and combine of every routed
-(token, expert) pair, 2 x B x 8 x 7168 x 2 B (bf16), and the TP all-reduce of the attention
-output, 2 x B x 7168 x 2 B, 7/8 of each leaving the GPU over NVLink at 450 GB/s, not overlapped
-with compute. Step = 3 dense + 58 MoE such layers; output tok/s per GPU = B / step / 8.
+here at B (the CUDA-graph rows where the shape has them, labelled "graph"; else the eager rows,
+labelled "eager", whose "rest" holds eager launch gaps) with the sparse MLA (heads split 8 ways)
+and the routed MoE (1/8 of the pairs on each GPU) divided by 8; the indexer (replicated), the
+linears and the rest undivided (conservative: q_b / o_proj / kv_b are head-split under TP8); plus
+the EP dispatch and combine of every routed (token, expert) pair, 2 x B x 8 x 7168 x 2 B (bf16),
+and the TP all-reduce of the attention output, 2 x B x 7168 x 2 B, 7/8 of each leaving the GPU
+over NVLink at 450 GB/s, not overlapped with compute. Step = 3 dense + 58 MoE such layers
+(embedding, final norm and lm_head not counted); output tok/s per GPU = B / step / 8.
 """
 
 from __future__ import annotations
 
 import argparse
+import bisect
+import difflib
 import json
 import random
 import statistics
@@ -50,6 +81,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile, record_function
 
 from dsa_trt.config import ModelConfig
 from dsa_trt.export.layers import Fp8Linear, Router, StackedExperts, hadamard_matrix
@@ -64,7 +97,11 @@ NVLINK_BPS = 450e9
 INDEXER_OPS = ("indexer_k_cache_write", "indexer_logits", "topk_translate")
 MLA_OPS = ("mla_cache_write", "sparse_mla")
 CATEGORIES = ("DSA indexer + top-k", "DSA sparse MLA", "linears", "MoE", "rest")
+OUTSIDE = (None, "outside")  # (layer, region) of what runs outside every layer
 FULL_LAYERS, FULL_DENSE, WORLD = 61, 3, 8
+PROFILED_REPLAYS = 3  # graph replays under the profiler per shape (the split is their median)
+GRAPH_WARMUPS = 2  # eager forwards on a side stream before capture (runtime/cuda_graphs.py _Graph)
+EAGER_RANGE, REPLAY_RANGE, TAG = "bench:eager", "bench:replay", "bench:region:"  # profiler range names
 PEERS = ("peers, 8xH200 (research/realsize_anchors.md §1): best published V3.2 ~300 output tok/s per GPU "
          "(vLLM TP8 2,075 output tok/s / 8 = 259 at 1K/2K, 100 in flight); R1 stacks ~1,436 per GPU (TRT-LLM, "
          "attention-DP + EP8)")
@@ -210,6 +247,39 @@ def regions(net: DSAForCausalLM, clock: RegionClock, touched: list):
                 del m.select
 
 
+class RangeTagger(RegionClock):
+    """RegionClock's cuts as profiler ranges: every region it would time is a record_function range
+    named TAG + "<layer>:<region>", open while the region is (nested like the regions)."""
+
+    def __init__(self):
+        super().__init__(torch.device("cpu"))
+        self.open: list = []
+
+    def _mark(self) -> None:
+        pass
+
+    def push(self, category: str | None = None, layer: int | None = None) -> None:
+        super().push(category, layer)
+        where, region = self.stack[-1]
+        rf = record_function(f"{TAG}{where}:{region}")
+        rf.__enter__()
+        self.open.append(rf)
+
+    def pop(self, end_layer: bool = False) -> None:
+        super().pop(end_layer)
+        self.open.pop().__exit__(None, None, None)
+
+
+def per_kind_medians(net, runs: list[dict]) -> dict[str, dict[str, float]]:
+    """runs: one {(layer, region): µs} per forward -> per layer kind and region: the median over the
+    forwards of the mean over the layers of that kind (layer 0 dense, the MoE layers)."""
+    dense = [i for i, layer in enumerate(net.model.layers) if layer.dense_mlp]
+    moe = [i for i, layer in enumerate(net.model.layers) if not layer.dense_mlp]
+    return {kind: {c: statistics.median(sum(r.get((i, c), 0.0) for i in ids) / len(ids) for r in runs)
+                   for c in CATEGORIES}
+            for kind, ids in (("dense", dense), ("MoE", moe)) if ids}
+
+
 def timed_forward(net, step, pools, iters: int, warmup: int = 1) -> tuple[dict, float, float]:
     """-> (per layer kind and category: median µs, median routed experts touched per MoE layer, whole forward µs)."""
     runs, touched, walls = [], [], []
@@ -227,14 +297,162 @@ def timed_forward(net, step, pools, iters: int, warmup: int = 1) -> tuple[dict, 
             runs.append(totals)
             walls.append(sum(totals.values()))
             touched.extend(idx.unique().numel() for idx in got)
-    dense = [i for i, layer in enumerate(net.model.layers) if layer.dense_mlp]
-    moe = [i for i, layer in enumerate(net.model.layers) if not layer.dense_mlp]
-    out = {}
-    for kind, ids in (("dense", dense), ("MoE", moe)):
-        if ids:
-            out[kind] = {c: statistics.median(sum(r.get((i, c), 0.0) for i in ids) / len(ids) for r in runs)
-                         for c in CATEGORIES}
-    return out, statistics.median(touched) if touched else 0, statistics.median(walls)
+    return per_kind_medians(net, runs), statistics.median(touched) if touched else 0, statistics.median(walls)
+
+
+def median_step_us(run, iters: int) -> float:
+    """Median µs of ``run()`` on the current CUDA stream, CUDA events around each call."""
+    pairs = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+    for a, b in pairs:
+        a.record()
+        run()
+        b.record()
+    torch.cuda.synchronize()
+    return statistics.median(a.elapsed_time(b) * 1e3 for a, b in pairs)
+
+
+def eager_step_us(net, step, pools, iters: int) -> float:
+    """Whole eager forwards without the region hooks (the graph rows' "eager µs/step")."""
+    with torch.no_grad():
+        return median_step_us(lambda: net(*step.as_tuple(), *pools), iters)
+
+
+# ------------------------------------------------------------------------------------------ CUDA graphs
+class GraphSplitError(RuntimeError):
+    """The profiler's record of the replays cannot be split by layer (the reason in the message)."""
+
+
+def capture_step(net, step, pools) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """The whole forward of ``step`` captured into one graph (outputs: the graph's logits buffer)."""
+    args = (*step.as_tuple(), *pools)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.no_grad():
+        with torch.cuda.stream(stream):
+            for _ in range(GRAPH_WARMUPS):  # lazy init, workspaces, allocations outside the graph
+                net(*args)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = net(*args)
+    return graph, out
+
+
+def profiled_replays(net, step, pools, graph, replays: int) -> tuple[list, list, list[int]]:
+    """One tagged eager forward and ``replays`` lone replays under torch.profiler ->
+    (CPU events, GPU activities, routed experts touched per MoE layer), events as
+    (name, start ns, end ns, correlation id)."""
+    tagger, got = RangeTagger(), []
+    acts = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+    torch.cuda.synchronize()
+    with torch.no_grad(), profile(activities=acts) as prof:
+        with regions(net, tagger, got), record_function(EAGER_RANGE):
+            net(*step.as_tuple(), *pools)
+        torch.cuda.synchronize()
+        for _ in range(replays):
+            with record_function(REPLAY_RANGE):
+                graph.replay()
+            torch.cuda.synchronize()  # replays apart: each one's activities lie between its range and the next
+    cpu, gpu = [], []
+    for e in prof.profiler.kineto_results.events():
+        row = (e.name(), e.start_ns(), e.end_ns(), getattr(e, "correlation_id", lambda: 0)())  # absent: no split
+        if e.device_type() == DeviceType.CPU:
+            cpu.append(row)
+        elif e.device_type() == DeviceType.CUDA and not e.name().startswith("bench:"):  # not our ranges' GPU mirror
+            gpu.append(row)
+    return cpu, gpu, [idx.unique().numel() for idx in got]
+
+
+def _tag(name: str) -> tuple[int | None, str]:
+    layer, region = name[len(TAG):].split(":", 1)
+    return (None if layer == "None" else int(layer)), region
+
+
+def split_replays(cpu: list, gpu: list) -> tuple[list[dict], int, int]:
+    """Events of profiled_replays -> ([{(layer, region): µs} per replay], the fewest activities of a
+    replay matched by name to the eager forward's, the most activities of a replay) (method: module
+    docstring)."""
+    eager = next(((s, f) for n, s, f, _ in cpu if n == EAGER_RANGE), None)
+    starts = sorted(s for n, s, _, _ in cpu if n == REPLAY_RANGE)
+    if eager is None or not starts:
+        raise GraphSplitError("the profiler recorded no eager forward or no replay range")
+    tags = [(s, f, _tag(n)) for n, s, f, _ in cpu if n.startswith(TAG)]
+    # CUDA runtime calls (cudaLaunchKernel, cuLaunchKernelEx, cudaMemcpyAsync...) of the eager forward
+    launch = {c: s for n, s, _, c in cpu if c and n.startswith("cu") and eager[0] <= s <= eager[1]}
+
+    def tag_at(t: int) -> tuple[int | None, str]:
+        inside = [(s, f, w) for s, f, w in tags if s <= t <= f]
+        return max(inside, key=lambda r: (r[0], -r[1]))[2] if inside else OUTSIDE
+
+    ref = sorted(((s, n, tag_at(launch[c])) for n, s, _, c in gpu if c in launch), key=lambda r: r[0])
+    if not ref:
+        raise GraphSplitError("no GPU activity correlated with the eager forward's launches")
+    ref_names, ref_tags = [n for _, n, _ in ref], [w for _, _, w in ref]
+    per_replay: list[list] = [[] for _ in starts]
+    for n, s, f, c in gpu:
+        if c not in launch and s >= starts[0]:
+            per_replay[bisect.bisect_right(starts, s) - 1].append((s, f, n))
+    runs, matched, most = [], len(ref), 0
+    for r, acts in enumerate(per_replay):
+        if not acts:
+            raise GraphSplitError(f"replay {r} has no GPU activity in the profile (graph kernels not traced)")
+        acts.sort()
+        names = [n for _, _, n in acts]
+        src: list[int | None] = list(range(len(ref))) if names == ref_names else [None] * len(names)
+        if names != ref_names:
+            sm = difflib.SequenceMatcher(None, ref_names, names, autojunk=False)
+            for op, i1, i2, j1, j2 in sm.get_opcodes():
+                if op == "equal":
+                    src[j1:j2] = range(i1, i2)
+        matched, most = min(matched, sum(i is not None for i in src)), max(most, len(acts))
+        first = next((i for i in src if i is not None), 0)
+        totals: dict = defaultdict(float)
+        cursor, last = acts[0][0], first
+        for (s, f, _), i in zip(acts, src):
+            last = last if i is None else i  # no same-name partner: the tag of the activity before
+            totals[ref_tags[last]] += max(0, f - cursor) / 1e3
+            cursor = max(cursor, f)
+        runs.append(totals)
+    return runs, matched, most
+
+
+def graph_shape(net, build, pages_needed, replays: int, device) -> dict:
+    """One decode shape under CUDA graphs -> {"step_us", "per_kind", "outside", "touched", "split_us",
+    "matched", "activities"}; a failure: {"error": "OOM" | "SPLIT UNAVAILABLE" | "<stage> FAILED",
+    "why": ...} (with "step_us" where it was measured)."""
+    cfg, got, pools, graph, out = net.cfg, {}, None, None, None
+    stage = "setup"
+    try:
+        pools = allocate_pools(cfg, "fp8", pages_needed + 2, device=device)
+        for p in pools[0] + pools[1]:
+            p.random_(0, 120)
+        step = build(pages_needed + 2)
+        stage = "CAPTURE"
+        graph, out = capture_step(net, step, pools)
+        stage = "REPLAY"
+        graph.replay()  # first replay (uploads the graph) untimed
+        got["step_us"] = median_step_us(graph.replay, replays)
+        stage = "PROFILE"
+        cpu, gpu, touched = profiled_replays(net, step, pools, graph, PROFILED_REPLAYS)
+        runs, matched, activities = split_replays(cpu, gpu)
+        got.update(per_kind=per_kind_medians(net, runs), outside=statistics.median(r[OUTSIDE] for r in runs),
+                   split_us=statistics.median(sum(r.values()) for r in runs), matched=matched,
+                   activities=activities, touched=statistics.median(touched) if touched else 0)
+    except torch.OutOfMemoryError as e:
+        got.update(error="OOM", why=f"{stage}: {str(e).splitlines()[0][:120]}")
+    except GraphSplitError as e:
+        got.update(error="SPLIT UNAVAILABLE", why=str(e))
+    except Exception as e:  # noqa: BLE001 - e.g. an op that syncs while the stream is captured: the row says which
+        got.update(error=f"{stage} FAILED", why=f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}")
+    finally:
+        del graph, out, pools
+        try:
+            torch.cuda.synchronize()
+        except RuntimeError as e:  # a sticky error: every later shape will say so in its row too
+            got.setdefault("error", "CUDA ERROR")
+            got.setdefault("why", f"after the shape: {str(e).splitlines()[0][:160]}")
+        torch.cuda.empty_cache()
+    return got
 
 
 # ------------------------------------------------------------------------------------------ roofline
@@ -290,28 +508,44 @@ def prefill_step(cfg, tokens: int, num_pages: int, rng: random.Random, device) -
     return StepInputs.build([([rng.randrange(2, cfg.vocab_size) for _ in range(tokens)], 0, pages)], device=device)
 
 
-def print_row(label, kind, cats, total, roof, b, fl, touched) -> None:
+def print_row(label, kind, cats, total, roof, b, fl, touched, extra: tuple[str, ...] = ()) -> None:
     print(f"| {label} | {kind} | " + " | ".join(f"{cats[c]:.1f}" for c in CATEGORIES) +
           f" | {total:.1f} | {roof:.1f} | {total / roof:.2f} | {b / 1e6:,.1f} | {fl / 1e9:,.1f} | "
-          f"{b / total / 1e6:.2f} | {fl / total / 1e6:.1f} | {touched if kind == 'MoE' else '—'} |", flush=True)
+          f"{b / total / 1e6:.2f} | {fl / total / 1e6:.1f} | {touched if kind == 'MoE' else '—'} |" +
+          "".join(f" {x} |" for x in extra), flush=True)
 
 
-def run_shape(net, label, build, pages_needed, seqs, tokens, iters, device, warmup=1):
+def print_failed(label, what, why, extra: tuple[str, ...] = ()) -> None:
+    """A row that did not run: its label, what failed, empty cells, then ``extra`` and the reason."""
+    print(f"| {label} | — | {what} |" + " |" * (len(CATEGORIES) + 7) + "".join(f" {x} |" for x in extra) +
+          f" ({why})", flush=True)
+
+
+def table_header(extra: tuple[str, ...] = ()) -> None:
+    cols = ("shape", "layer", *CATEGORIES, "layer total", "roofline", "total / roofline", "MB touched", "GFLOP",
+            "TB/s", "TFLOP/s", "experts touched", *extra)
+    print("| " + " | ".join(cols) + " |")
+    print("|---|---|" + "---:|" * (len(cols) - 2), flush=True)
+
+
+def run_shape(net, label, build, pages_needed, seqs, tokens, iters, device, warmup=1, step_iters=0):
+    """The eager rows of one shape -> (per layer kind, experts touched, eager µs/step or None), or
+    None when it did not run; ``step_iters``: also time that many whole forwards without the hooks."""
     cfg = net.cfg
-    pools = None
+    pools, step_us = None, None
     try:
         pools = allocate_pools(cfg, "fp8", pages_needed + 2, device=device)
         for p in pools[0] + pools[1]:
             p.random_(0, 120)  # finite e4m3 bytes: synthetic context
         step = build(pages_needed + 2)
         per_kind, touched, wall = timed_forward(net, step, pools, iters, warmup)
+        if step_iters:  # before any profiler session of the graph sweep: CUPTI never saw these launches
+            step_us = eager_step_us(net, step, pools, step_iters)
     except torch.OutOfMemoryError as e:
-        print(f"| {label} | — | OOM |" + " |" * (len(CATEGORIES) + 7) + f" ({str(e).splitlines()[0][:120]})",
-              flush=True)
+        print_failed(label, "OOM", str(e).splitlines()[0][:120])
         return None
     except RuntimeError as e:  # e.g. a kernel refusing a shape: the other shapes still run
-        print(f"| {label} | — | UNSUPPORTED |" + " |" * (len(CATEGORIES) + 7) +
-              f" ({type(e).__name__}: {str(e).splitlines()[0][:160]})", flush=True)
+        print_failed(label, "UNSUPPORTED", f"{type(e).__name__}: {str(e).splitlines()[0][:160]}")
         return None
     finally:
         del pools
@@ -321,7 +555,29 @@ def run_shape(net, label, build, pages_needed, seqs, tokens, iters, device, warm
         b, f8, bf = layer_roofline(net, kind, tokens, seqs, touched)
         print_row(label, kind, cats, sum(cats.values()), roofline_us(b, f8, bf), b, f8 + bf, touched)
     print(f"  {label}: forward {wall:.0f} µs", file=sys.stderr, flush=True)
-    return per_kind, touched
+    return per_kind, touched, step_us
+
+
+GRAPH_COLUMNS = ("graph µs/step", "of it outside the layers", "eager µs/step")
+
+
+def print_graph_rows(net, label, got: dict, eager_us: float | None, seqs, tokens) -> None:
+    step = f"{got['step_us']:.1f}" if "step_us" in got else "—"
+    eager = f"{eager_us:.1f}" if eager_us is not None else "—"
+    if "error" in got:
+        print_failed(label, got["error"], got["why"], (step, "—", eager))
+        return
+    for kind, cats in got["per_kind"].items():
+        b, f8, bf = layer_roofline(net, kind, tokens, seqs, got["touched"])
+        print_row(label, kind, cats, sum(cats.values()), roofline_us(b, f8, bf), b, f8 + bf, got["touched"],
+                  (step, f"{got['outside']:.1f}", eager))
+    line = (f"  {label}: graph {got['step_us']:.0f} µs/step; profiled replay span {got['split_us']:.0f} µs = "
+            f"layers + {got['outside']:.0f} outside; {got['matched']} of {got['activities']} GPU activities per "
+            "replay matched by name to the eager forward's")
+    if got["matched"] < got["activities"]:  # the tags of the unmatched ones are borrowed: say so on stdout
+        print(line.strip(), flush=True)
+    else:
+        print(line, file=sys.stderr, flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -332,14 +588,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vocab-size", type=int, default=129280)
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 32, 128])
     ap.add_argument("--contexts", type=int, nargs="+", default=[4096, 32768, 131072])
-    ap.add_argument("--prefill", type=int, nargs="+", default=[4096, 16384, 65536])
+    ap.add_argument("--prefill", type=int, nargs="*", default=[4096, 16384, 65536], help="prefill tokens (none: skip)")
     ap.add_argument("--iters", type=int, default=5, help="timed forwards per shape (median)")
     ap.add_argument("--warmup", type=int, default=1, help="untimed forwards per shape first (default 1)")
+    ap.add_argument("--replays", type=int, default=50,
+                    help="timed CUDA-graph replays and hook-free eager forwards per decode shape (median; default 50)")
+    ap.add_argument("--no-graphs", action="store_true", help="skip the CUDA-graph decode rows (eager only)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--quick", action="store_true", help="3 timed forwards per shape")
+    ap.add_argument("--quick", action="store_true", help="3 timed forwards per shape, 20 graph replays")
     a = ap.parse_args(argv)
     iters = 3 if a.quick else a.iters
+    replays = 20 if a.quick else a.replays
     device = torch.device(a.device)
+    graphs = not a.no_graphs and device.type == "cuda"
     if device.type == "cuda":
         from dsa_trt.plugins import cuda_ops
 
@@ -355,36 +616,58 @@ def main(argv: list[str] | None = None) -> int:
     rng = random.Random(0)
     print(f"\nper layer, µs (median of {iters} eager forwards; roofline = max(bytes / 4.2 TB/s, FLOPs at 1377 fp8 / "
           "758 bf16 TFLOP/s)); OOM / UNSUPPORTED rows: the shape did not fit or a kernel refused it, the sweep went on")
-    print("| shape | layer | " + " | ".join(CATEGORIES) + " | layer total | roofline | total / roofline | "
-          "MB touched | GFLOP | TB/s | TFLOP/s | experts touched |")
-    print("|---|---|" + "---:|" * (len(CATEGORIES) + 8), flush=True)
-    decode = {}
+    table_header()
+    shapes = []  # decode: (label, (b, ctx), build, pages, seqs, tokens)
     for ctx in a.contexts:
         for b in a.batches:
-            ppd = -(-(ctx + 1) // 64)
-            got = run_shape(net, f"decode B={b} ctx={tokens_label(ctx)}",
-                            lambda n, b=b, ctx=ctx: decode_step(cfg, b, ctx, n, rng, device), b * ppd,
-                            [(1, ctx)] * b, b, iters, device, a.warmup)
-            if got:
-                decode[(b, ctx)] = got
+            shapes.append((f"decode B={b} ctx={tokens_label(ctx)}", (b, ctx),
+                           lambda n, b=b, ctx=ctx: decode_step(cfg, b, ctx, n, rng, device),
+                           b * -(-(ctx + 1) // 64), [(1, ctx)] * b, b))
+    decode = {}
+    for label, key, build, pages, seqs, tokens in shapes:
+        got = run_shape(net, label, build, pages, seqs, tokens, iters, device, a.warmup, replays if graphs else 0)
+        if got:
+            decode[key] = got
     for s in a.prefill:
         run_shape(net, f"prefill {tokens_label(s)} tokens", lambda n, s=s: prefill_step(cfg, s, n, rng, device),
                   -(-s // 64), [(s, s)], s, iters, device, a.warmup)
-    model_8gpu(decode, cfg)
+    graph_rows = {}
+    if graphs:
+        print(f"\ndecode under CUDA graphs, per layer, µs: the whole step captured in one graph; graph µs/step: "
+              f"median of {replays} replays (CUDA events); the split: torch.profiler over {PROFILED_REPLAYS} replays, "
+              "each GPU activity tagged with the eager forward's (layer, region) of the same launch (module "
+              f"docstring); eager µs/step: median of {replays} eager forwards without hooks; OOM / ... FAILED rows: "
+              "the sweep went on")
+        table_header(GRAPH_COLUMNS)
+        for label, key, build, pages, seqs, tokens in shapes:
+            got = graph_shape(net, build, pages, replays, device)
+            print_graph_rows(net, label, got, decode[key][2] if key in decode else None, seqs, tokens)
+            graph_rows[key] = got
+    else:
+        print(f"\nCUDA graphs: skipped ({'--no-graphs' if a.no_graphs else f'device {device.type}: graphs need CUDA'})")
+    model_8gpu(decode, graph_rows, cfg)
     return 0
 
 
-def model_8gpu(decode: dict, cfg: ModelConfig) -> None:
-    """The modelled 61-layer decode on 8 H200s (the assumptions are in the module docstring)."""
+def model_8gpu(decode: dict, graph_rows: dict, cfg: ModelConfig) -> None:
+    """The modelled 61-layer decode on 8 H200s (the assumptions are in the module docstring); per
+    shape from its CUDA-graph rows where they exist, else from its eager rows (labelled)."""
     print("\nmodelled V3.2 (61 layers: 3 dense + 58 MoE) decode on 8 H200s, TP8 attention + EP8 (dsa_trt/plan.py's "
-          "fitting plan), from the per-layer numbers above; EP dispatch + combine and TP all-reduce over NVLink at "
-          "450 GB/s, not overlapped")
-    print("| context | batch (whole node) | step ms | of it comms ms | output tok/s per GPU | per user tok/s |")
-    print("|---|---:|---:|---:|---:|---:|")
+          "fitting plan), from the per-layer numbers above (the CUDA-graph rows where measured, else the eager ones: "
+          "'layers from'); EP dispatch + combine and TP all-reduce over NVLink at 450 GB/s, not overlapped; "
+          "embedding, final norm and lm_head not counted")
+    print("| context | batch (whole node) | layers from | step ms | of it comms ms | output tok/s per GPU | "
+          "per user tok/s |")
+    print("|---|---:|---|---:|---:|---:|---:|")
     wanted = {4096, 32768} & {ctx for _, ctx in decode} or {ctx for _, ctx in decode}  # else what was measured
-    for (b, ctx), (per_kind, _) in sorted(decode.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+    eager_used = False
+    for (b, ctx), (eager_kinds, _, _) in sorted(decode.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        g = graph_rows.get((b, ctx), {})
+        per_kind, source = (g["per_kind"], "graph") if "per_kind" in g else \
+            (eager_kinds, "eager" + (f" (graph: {g['error']})" if "error" in g else ""))
         if ctx not in wanted or "MoE" not in per_kind:
             continue
+        eager_used |= source != "graph"
         layer_us = {}
         for kind, cats in per_kind.items():
             # TP8: each GPU runs every sequence with 1/8 of the heads; EP8: 1/8 of the routed pairs
@@ -394,11 +677,12 @@ def model_8gpu(decode: dict, cfg: ModelConfig) -> None:
             (WORLD - 1) / WORLD / NVLINK_BPS * 1e6
         dense_us = layer_us.get("dense", layer_us["MoE"])
         step = FULL_DENSE * (dense_us + comm) + (FULL_LAYERS - FULL_DENSE) * (layer_us["MoE"] + comm)
-        print(f"| {tokens_label(ctx)} | {b} | {step / 1e3:.2f} | {FULL_LAYERS * comm / 1e3:.2f} | "
+        print(f"| {tokens_label(ctx)} | {b} | {source} | {step / 1e3:.2f} | {FULL_LAYERS * comm / 1e3:.2f} | "
               f"{b / (step / 1e6) / WORLD:,.0f} | {1e6 / step:.1f} |")
     print(PEERS)
-    print("caveat: the linears and the rest are taken undivided at the single-GPU shapes; the measured layers ran "
-          "eagerly, so their launch gaps are in 'rest' (a CUDA-graph step would not have them)")
+    print("caveat: the linears and the rest are taken undivided at the single-GPU shapes" +
+          ("; rows from eager layers carry the eager stream's launch gaps in 'rest' (a CUDA-graph step has none)"
+           if eager_used else ""))
 
 
 if __name__ == "__main__":

@@ -42,6 +42,9 @@ if has profile; then
   stamp "bench_step_profile: rc=$?"; grep -E '^(\||engine|host)' "$LOG/bench_step_profile.log"
 fi
 if has realdims; then
+  # eager rows of every shape, then the decode shapes again under CUDA graphs (capture, replays, a
+  # profiler split per layer; "--quick --no-graphs" in REALDIMS_ARGS skips them); the tail below shows
+  # the graph table and the 8xH200 model, the log holds the eager table too
   # shellcheck disable=SC2086
   timeout 240 python3 benchmarks/bench_realdims.py ${REALDIMS_ARGS:---quick} > "$LOG/bench_realdims.log" 2>&1
   stamp "bench_realdims: rc=$?"; grep -vE '^  ' "$LOG/bench_realdims.log" | tail -40
