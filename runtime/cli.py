@@ -152,19 +152,18 @@ def _bench(a: argparse.Namespace) -> int:
         raise ValueError(f"--num-prompts {a.num_prompts} and --prompt-len {a.prompt_len} must be >= 1")
     lines = _prompt_lines(a.prompt_file) if a.prompt_file else None
     engine = AsyncLLM(a.engine, num_pages=a.num_pages, speculative=a.speculative)
+    vocab = engine.llm.model_config.vocab_size
     try:
         if lines is not None:  # line i % len(lines), cut to its first --prompt-len tokens
             prompts = [engine.llm.tokenizer.encode(lines[i % len(lines)])[: a.prompt_len]
                        for i in range(a.num_prompts)]
         else:
             g = torch.Generator().manual_seed(a.seed)
-            prompts = torch.randint(2, engine.llm.model_config.vocab_size, (a.num_prompts, a.prompt_len),
-                                    generator=g).tolist()
+            prompts = torch.randint(2, vocab, (a.num_prompts, a.prompt_len), generator=g).tolist()
         params = [SamplingParams(temperature=a.temperature, max_tokens=a.max_tokens, seed=a.seed + i, ignore_eos=True)
                   for i in range(a.num_prompts)]
         # warm-up, a batch of the same shape (other ids: no prefix-cache hits later): first-call costs
         # and the CUDA-graph captures of its decode / verify / draft buckets stay out of the timing
-        vocab = engine.llm.model_config.vocab_size
         g = torch.Generator().manual_seed(a.seed + 1)
         warm = [engine.submit(torch.randint(2, vocab, (len(p),), generator=g).tolist(),
                               SamplingParams(temperature=a.temperature, max_tokens=min(a.max_tokens, 4), ignore_eos=True))

@@ -190,7 +190,7 @@ class CudaGraphRunner:
     def run(self, step: StepInputs, hidden: torch.Tensor | None = None, device_ids: DeviceIds | None = None) -> StepOutput:
         """Every output of the host step (graph replay for uniform steps, eager otherwise);
         ``hidden`` [tokens, D] on the device: the draft program's input; ``device_ids``
-        (runtime/speculative.py DeviceIds): token ids on the device, written over the host step's
+        (runtime/step_inputs.py DeviceIds): token ids on the device, written over the host step's
         placeholders at those token indices."""
         if step.input_ids.device.type != "cpu":
             raise ValueError("CudaGraphRunner takes the scheduler's host (CPU) step; it pads and copies it itself")
