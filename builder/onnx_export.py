@@ -339,8 +339,18 @@ def _einsum(equation: str, tensors, path=None):
     return op.Transpose(prod, perm=[prod_idx.index(i) for i in out])
 
 
+def _mm_fp32_out(a, b, out_dtype):
+    """aten::mm.dtype (export/layers.py fp32_logits: a bf16 GEMM with fp32 output) as the fp32 GEMM of
+    the cast operands: the same products (bf16 x bf16 is exact in fp32), fp32 accumulation; the
+    weight's Cast folds into an fp32 initializer when TensorRT builds the plan."""
+    if out_dtype not in (torch.float32, ir.DataType.FLOAT):  # the exporter passes ONNX's data type
+        raise OnnxExportError(f"mm with out_dtype={out_dtype}: only float32 output (the lm_head) is translated")
+    return op.MatMul(op.Cast(a, to=onnx.TensorProto.FLOAT), op.Cast(b, to=onnx.TensorProto.FLOAT))
+
+
 TRANSLATIONS = {
     torch.ops.aten.einsum.default: _einsum,
+    torch.ops.aten.mm.dtype: _mm_fp32_out,
     torch.ops.dsa_onnx.mla_cache_write.default: _mla_cache_write,
     torch.ops.dsa_onnx.indexer_k_cache_write.default: _indexer_k_cache_write,
     torch.ops.dsa.indexer_logits.default: _indexer_logits,

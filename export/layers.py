@@ -116,6 +116,18 @@ def dequantised_linears(net: nn.Module) -> list[str]:
     return [name for name, m in net.named_modules() if getattr(m, "fp8_dequantised", False)]
 
 
+def fp32_logits(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The lm_head: ``h @ weight.T`` as fp32 logits (docs/architecture.md §8). A bf16 head on CUDA is
+    one bf16 GEMM with fp32 output: bf16 products are exact in fp32 and the GEMM accumulates in fp32,
+    so it is the fp32 GEMM of the cast operands up to summation order, without the fp32 copy of the
+    whole head that ``weight.float()`` makes every step (V3.2's 129,280 x 7168 head: 3.7 GB written
+    and read again per step). aten::mm.dtype has no CPU kernel, so the CPU keeps the cast; the ONNX
+    graph gets Cast + MatMul (builder/onnx_export.py)."""
+    if h.is_cuda and h.dtype == weight.dtype == torch.bfloat16:
+        return torch.mm(h, weight.t(), out_dtype=torch.float32)
+    return F.linear(h.float(), weight.float())
+
+
 def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
     """[T] positions -> cos, sin [T, rope_dim/2] fp32."""
     freqs = positions.float()[:, None] * inv_freq[None, :]

@@ -22,7 +22,6 @@ its stored copies of the main embedding and lm_head.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.export import ExportedProgram, export
 
@@ -31,7 +30,7 @@ from dsa_trt.plugins.pools import allocate_pools
 from dsa_trt.step import dynamic_shapes, export_dims
 
 from .checkpoint import Checkpoint
-from .layers import RMSNorm, hadamard_matrix, linear, resolve_weight_format, rope_cos_sin
+from .layers import RMSNorm, fp32_logits, hadamard_matrix, linear, resolve_weight_format, rope_cos_sin
 from .network import CACHE_MODES, DecoderLayer, check_dequantised
 from .program import Progress, checkpoint_tensors, example_step
 from .sharding import check_tp
@@ -105,7 +104,7 @@ class MTPDraft(nn.Module):
         z = b.eh_proj(torch.cat([b.enorm(e), b.hnorm(hidden_states.to(e.dtype))], dim=-1))
         z = b(z, cos, sin, meta, mla_pools[0], index_pools[0], self.cache_mode)  # [T, D]
         h = b.shared_head.norm(z[logits_indices])
-        return F.linear(h.float(), b.shared_head.head.weight.float()), z
+        return fp32_logits(h, b.shared_head.head.weight), z
 
 
 def build_mtp_network(ckpt: Checkpoint, cache_mode: str, dtype: torch.dtype, kv_scale: float = 1.0,

@@ -14,7 +14,6 @@ this equals dense causal attention there.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import dsa_trt.plugins.collectives  # noqa: F401  (registers torch.ops.dsa.all_reduce)
@@ -30,6 +29,7 @@ from .layers import (
     SwiGLU,
     block_linear,
     dequantised_linears,
+    fp32_logits,
     hadamard_matrix,
     linear,
     rope_cos_sin,
@@ -263,6 +263,6 @@ class DSAForCausalLM(nn.Module):
             h = layer(h, cos, sin, meta, mla_pool, index_pool, self.cache_mode)
         if self.return_hidden:  # the MTP draft program's input: every token's final-norm state (dsa_trt/step.py)
             h = self.model.norm(h)  # row-wise, so norm(h)[rows] == norm(h[rows])
-            return F.linear(h[logits_indices].float(), self.lm_head.weight.float()), h
+            return fp32_logits(h[logits_indices], self.lm_head.weight), h
         h = self.model.norm(h[logits_indices])
-        return F.linear(h.float(), self.lm_head.weight.float())  # lm_head in fp32 (docs/architecture.md §8)
+        return fp32_logits(h, self.lm_head.weight)  # lm_head in fp32 (docs/architecture.md §8)

@@ -567,6 +567,34 @@ def test_whole_graph_with_reference_plugins(f32_graphs, ckpt):
                 f"step {i} pool {layer}: {off:.3%} entries differ, worst {steps_off:.2e} relative"
 
 
+def test_fp32_logits_translation():
+    """The CUDA lm_head (export/layers.py fp32_logits: aten::mm.dtype, a bf16 GEMM with fp32 output)
+    becomes Cast + Cast + MatMul in fp32: no aten node left, and in ONNX Runtime the logits of the
+    fp32 GEMM of the bf16-rounded operands (exact products, fp32 sums: float32 tolerance)."""
+    from dsa_trt.builder.onnx_export import OPSET, TRANSLATIONS
+
+    class Head(torch.nn.Module):
+        def __init__(self, w):
+            super().__init__()
+            self.w = torch.nn.Parameter(w, requires_grad=False)
+
+        def forward(self, x):  # the exported CUDA program's call, traced on the CPU (fake tensors)
+            return torch.mm(x.to(torch.bfloat16), self.w.t(), out_dtype=torch.float32)
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(96, 64, generator=g).to(torch.bfloat16)
+    x = torch.randn(5, 64, generator=g)
+    ep = torch.export.export(Head(w), (x,))
+    assert any(n.target is torch.ops.aten.mm.dtype for n in ep.graph.nodes)
+    model = torch.onnx.export(ep, dynamo=True, custom_translation_table=TRANSLATIONS, opset_version=OPSET,
+                              verbose=False).model_proto
+    ops = Counter(n.op_type for n in model.graph.node)
+    assert ops["MatMul"] == 1 and ops["Cast"] >= 2, ops
+    got = torch.from_numpy(ort_session(model).run(None, {model.graph.input[0].name: x.numpy()})[0])
+    want = x.to(torch.bfloat16).double() @ w.double().t()
+    assert got.dtype == torch.float32 and torch.allclose(got.double(), want, rtol=1e-6, atol=1e-5)
+
+
 # ================================================================ TensorRT (where it is installed)
 def tensorrt_or_skip() -> None:
     import_tensorrt()
