@@ -33,6 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # timing.py, when run from the repository root
 
 from dsa_trt.plugins.pools import allocate_pools
+from dsa_trt.runtime import knobs
 from dsa_trt.runtime.engine import Engine
 from dsa_trt.runtime.llm import DETERMINISTIC_TOKEN_BLOCK, LLM
 from dsa_trt.runtime.sampling import SamplingParams
@@ -129,11 +130,17 @@ def main(argv: list[str] | None = None) -> int:
                    for d in (False, True)}
 
     def step_fn(step: StepInputs, deterministic: bool, graph: bool):
+        def kernels(fn):  # the deterministic mode's kernel plans around each call, as LLM.step does
+            def call():
+                with knobs.deterministic_kernels(deterministic):
+                    return fn()
+            return call
+
         if graph:  # the graph runner takes the scheduler's host step and copies it in itself
-            return lambda: runners[deterministic].forward(step)
+            return kernels(lambda: runners[deterministic].forward(step))
         step = step.to(dev)
         padded = step.pad_tokens(DETERMINISTIC_TOKEN_BLOCK) if deterministic else step
-        return lambda: engine.forward(padded, *pools)
+        return kernels(lambda: engine.forward(padded, *pools))
 
     how = "CUDA graph" if cuda else "eager"
     for b in a.batches:

@@ -242,6 +242,8 @@ def worker_loop(engine: Engine) -> int:
     mtp_pools: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None  # the draft layer's, on first use
     cfg, steps = engine.config, 0
     header_t = torch.empty(HEADER_LEN, dtype=torch.int64, device=engine.device)
+    if knobs.get("DSA_DETERMINISTIC") == "1":  # rank 0's LLM runs its steps under the same kernel plans
+        os.environ.update(knobs.DETERMINISTIC_KERNEL_ENV)
     while True:
         guarded(f"waiting for step {steps + 1} from rank 0", lambda: dist.broadcast(header_t, src=0))
         header = header_t.tolist()

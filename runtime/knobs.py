@@ -9,6 +9,7 @@ and validated here too, so a typo fails in Python with a message instead of bein
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 from typing import Callable
@@ -78,14 +79,17 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
     Knob("DSA_CACHE_FRACTION", "0.5", "fraction of free GPU memory (after the engine loads) for the caches, in (0, 1)",
          _open_float(0.0, 1.0)),
     Knob("DSA_CUDA_GRAPHS", "1", "1: capture decode steps in CUDA graphs; 0: eager launches", _choice("0", "1")),
-    Knob("DSA_MTP_FUSED", "0", "1: a greedy one-draft MTP verify step runs the next step's draft pass in the same call "
-         "(one CUDA graph; not yet measured on a GPU)", _choice("0", "1")),
+    Knob("DSA_MTP_FUSED", "1", "1: a greedy one-draft MTP verify step runs the next step's draft pass in the same call "
+         "(one CUDA graph; H200: 1.13x plain at B=1 where the separate pass gives 0.84x); 0: a draft pass of its own",
+         _choice("0", "1")),
     Knob("DSA_DETERMINISTIC", "0", "1: pad every step to a multiple of 16 tokens so a request's logits do not "
          "depend on its batch (bitwise on the CPU engine); 0: off", _choice("0", "1")),
     Knob("DSA_VERIFY_ENGINE", "full", "engine-dir check at load: full (sha256 of every file of the rank), size "
          "(sizes and the config tie only), off", _choice(*VERIFY_MODES)),
     Knob("DSA_MLA_SPLITS", "0", "sparse-MLA decode split count: 0 = auto, 1 = unsplit, n = n chunks",
          _int(0, INT32_MAX)),
+    Knob("DSA_FP8_LINEAR_SPLITS", "", "the most K splits of the fp8 block linear, 1..32; unset: its plan's own "
+         "choice, which depends on the step's token count (the deterministic mode sets 1)", _int(1, 32)),
     Knob("DSA_KERNELS", "auto", "auto: our CUDA kernels when the library loads; cuda: require them; reference: "
          "plain torch", _choice("auto", "cuda", "reference")),
     Knob("DSA_KERNEL_LIB", "", "path of the kernel library (default build/libdsa_kernels.so)", _path),
@@ -106,6 +110,30 @@ def get(name: str, environ: dict | None = None):
     if raw is None or (raw.strip() == "" and knob.parse is not _path):
         return knob.parse(name, knob.default) if knob.default else None
     return knob.parse(name, raw)
+
+
+# The deterministic mode's kernel plans (benchmarks/row_invariance.py measured which op needs what):
+# the fp8 block linear unsplit over K, sparse MLA unsplit over its keys, so a row's sums run in the
+# same order at every token count of a step. The kernels read them at every launch.
+DETERMINISTIC_KERNEL_ENV = {"DSA_FP8_LINEAR_SPLITS": "1", "DSA_MLA_SPLITS": "1"}
+
+
+@contextlib.contextmanager
+def deterministic_kernels(on: bool = True):
+    """DETERMINISTIC_KERNEL_ENV set while the block runs (restored after) when ``on``; else nothing."""
+    if not on:
+        yield
+        return
+    old = {k: os.environ.get(k) for k in DETERMINISTIC_KERNEL_ENV}
+    os.environ.update(DETERMINISTIC_KERNEL_ENV)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def validate_environment(environ: dict | None = None) -> None:

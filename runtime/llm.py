@@ -234,12 +234,14 @@ class LLM:
             if step is None:
                 return []
             try:
-                # the MTP pass: drafts into step.inputs, greedy ones as device ids (no sync)
-                device_ids = self.speculator.propose(step) if self.speculator is not None else None
-                if self.speculator is not None and self.speculator.fuses(step):
-                    out = self.speculator.run_fused(step.inputs, device_ids, (self.mla_pools, self.index_pools))
-                else:
-                    out = self._run(step.inputs, device_ids)
+                # the deterministic mode's kernel plans for this step's launches and captures (knobs.py)
+                with knobs.deterministic_kernels(self.deterministic):
+                    # the MTP pass: drafts into step.inputs, greedy ones as device ids (no sync)
+                    device_ids = self.speculator.propose(step) if self.speculator is not None else None
+                    if self.speculator is not None and self.speculator.fuses(step):
+                        out = self.speculator.run_fused(step.inputs, device_ids, (self.mla_pools, self.index_pools))
+                    else:
+                        out = self._run(step.inputs, device_ids)
                 if self.speculator is not None:
                     sampled, logps = self.speculator.verify(step, out)
                 else:

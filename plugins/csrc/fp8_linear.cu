@@ -21,7 +21,8 @@
 // DSA_FP8_LINEAR_PATH (tests, benchmarks): unset or "auto" picks by T as above; "tma", "tma-nomc"
 // (the prefill tile without pairs), "tma-pipe" (the prefill tile, pairs, its consumers keeping
 // the next K block's wgmmas in flight while promoting: fp8_gemm_ws.cuh kPipe), "tma-swap" or
-// "legacy" forces that GEMM at every T. Read at every launch.
+// "legacy" forces that GEMM at every T. DSA_FP8_LINEAR_SPLITS=N caps the K splits at N (the
+// deterministic mode sets 1: runtime/llm.py). Both read at every launch.
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -162,7 +163,9 @@ static size_t partial_budget(int64_t t, int64_t part_row) {
   return std::min(kPartialBudgetCap, static_cast<size_t>(kMaxSplits) * slab);
 }
 
-static LinearPlan plan_linear(int64_t t, int n, int k, Path forced) {
+// max_splits (DSA_FP8_LINEAR_SPLITS; 0: no cap) caps the K splits: 1 makes a row's sum order (K
+// blocks in order, one fp32 accumulator) the same at every T, as the deterministic mode needs.
+static LinearPlan plan_linear(int64_t t, int n, int k, Path forced, int max_splits = 0) {
   LinearPlan p{};
   t = std::max<int64_t>(t, 0);
   n = std::max(n, 1);
@@ -180,6 +183,7 @@ static LinearPlan plan_linear(int64_t t, int n, int k, Path forced) {
   p.part_stride = p.path == Path::kLegacy ? n : (n + 3) / 4 * 4;
   const size_t slab = std::max<size_t>(static_cast<size_t>(t) * p.part_stride * sizeof(float), 1);
   splits = static_cast<int>(std::min<size_t>(splits, partial_budget(t, (n + 3) / 4 * 4) / slab));
+  if (max_splits > 0) splits = std::min(splits, max_splits);
   p.kb_per_split = static_cast<int>(dsa_ceil_div(p.nkb, std::max(splits, 1)));
   p.splits = static_cast<int>(dsa_ceil_div(p.nkb, p.kb_per_split));  // no empty split, never more than asked
   p.t_pad = (t + 3) / 4 * 4;
@@ -205,6 +209,23 @@ static int forced_path(Path* out) {
                          "fp8_block_linear: DSA_FP8_LINEAR_PATH=%s unknown (auto, tma, tma-nomc, tma-pipe, tma-swap, "
                          "legacy)",
                          e);
+  return DSA_OK;
+}
+
+// DSA_FP8_LINEAR_SPLITS -> the most K splits a plan may use (0: unset, the plan's own choice);
+// DSA_ERR_INVALID_ARG for anything but a positive integer.
+static int max_splits_env(int* out) {
+  const char* e = getenv("DSA_FP8_LINEAR_SPLITS");
+  *out = 0;
+  if (e == nullptr || *e == '\0') return DSA_OK;
+  char* end = nullptr;
+  const long v = strtol(e, &end, 10);
+  if (*end != '\0' || v < 1 || v > kMaxSplits)
+    return dsa_set_error(DSA_ERR_INVALID_ARG,
+                         "fp8_block_linear: DSA_FP8_LINEAR_SPLITS=%s must be an integer in [1, %d] (the most K "
+                         "splits; 1: the same sum order at every token count)",
+                         e, kMaxSplits);
+  *out = static_cast<int>(v);
   return DSA_OK;
 }
 
@@ -402,8 +423,10 @@ extern "C" size_t dsa_fp8_block_linear_workspace_size(int64_t num_tokens, int n,
 extern "C" const char* dsa_fp8_block_linear_path(int64_t num_tokens, int n, int k) {
   static thread_local char text[64];
   Path forced = Path::kAuto;
+  int max_splits = 0;
   if (forced_path(&forced) != DSA_OK) return "invalid DSA_FP8_LINEAR_PATH";
-  const LinearPlan p = plan_linear(num_tokens, n, k, forced);
+  if (max_splits_env(&max_splits) != DSA_OK) return "invalid DSA_FP8_LINEAR_SPLITS";
+  const LinearPlan p = plan_linear(num_tokens, n, k, forced, max_splits);
   const char* name = p.path == Path::kTma        ? "tma"
                      : p.path == Path::kTmaNoMc ? "tma-nomc"
                      : p.path == Path::kTmaPipe ? "tma-pipe"
@@ -427,6 +450,9 @@ extern "C" int dsa_launch_fp8_block_linear(const DsaFp8BlockLinearParams* p, cud
   Path forced = Path::kAuto;
   const int fst = forced_path(&forced);
   if (fst != DSA_OK) return fst;
+  int max_splits = 0;
+  const int sst = max_splits_env(&max_splits);
+  if (sst != DSA_OK) return sst;
   if (p->num_tokens == 0) return DSA_OK;
   DSA_CHECK_ARG(p->x && p->weight && p->weight_scale && p->out && p->workspace,
                 "fp8_block_linear: NULL pointer (x=%p weight=%p weight_scale=%p out=%p workspace=%p)", p->x,
@@ -440,7 +466,7 @@ extern "C" int dsa_launch_fp8_block_linear(const DsaFp8BlockLinearParams* p, cud
   DSA_CHECK_ARG((reinterpret_cast<uintptr_t>(p->x) & 1) == 0 && (reinterpret_cast<uintptr_t>(p->out) & 1) == 0,
                 "fp8_block_linear: x=%p / out=%p not 2-byte aligned (bf16)", p->x, p->out);
 
-  const LinearPlan plan = plan_linear(p->num_tokens, p->n, p->k, forced);
+  const LinearPlan plan = plan_linear(p->num_tokens, p->n, p->k, forced, max_splits);
   const bool legacy = plan.path == Path::kLegacy;
   uint8_t* ws = static_cast<uint8_t*>(p->workspace);
   uint8_t* q = ws;
