@@ -3,7 +3,8 @@
 # the kernel library, every GPU test, the kernel benchmarks (and the read floors where CuPy is
 # installed), a CUDA engine of the tiny checkpoint, its tests and the eager-vs-CUDA-graph step
 # benchmark, the DSA_KERNELS=reference generation; stage "spec": MTP speculative tokens/s at B=1/8/32 on the
-# held-out corpus lines (ENGINE_DIR: an engine of the trained checkpoint; ~400 s).
+# held-out corpus lines, plain / MTP / fused MTP (benchmarks/bench_spec.py; ENGINE_DIR: an engine of the
+# trained checkpoint; SPEC_ARGS passes e.g. "--modes plain mtp:2").
 #
 #   benchmarks/gpu_check.sh LOG_DIR CHECKPOINT [KV_CALIBRATION_JSON]
 #
@@ -64,12 +65,7 @@ fi
 if has spec; then  # MTP speculative decoding: tokens/s with and without it, CUDA graphs on (issue 27)
   # on the held-out corpus lines (acceptance means nothing on random ids): build ENGINE from the trained checkpoint
   python3 -c "from dsa_trt.export.train_tiny import corpus_split; print('\n'.join(corpus_split()[1]))" > "$LOG/heldout.txt"
-  for b in 1 8 32; do
-    for spec in "" "--speculative mtp"; do
-      # shellcheck disable=SC2086
-      timeout 120 python3 -m dsa_trt.runtime.cli bench --engine "$ENGINE" --num-prompts $b --max-tokens 128 \
-        --temperature 0 --prompt-file "$LOG/heldout.txt" --prompt-len 16 $spec > "$LOG/bench_spec_b${b}${spec:+_mtp}.log" 2>&1
-      echo "bench B=$b ${spec:-plain}: rc=$? $(grep -E 'output tok/s|acceptance' "$LOG/bench_spec_b${b}${spec:+_mtp}.log" | tr '\n' ' ')"
-    done
-  done
+  # one process for every row (the engine's load cost once): plain, MTP, MTP with the fused verify + draft step
+  timeout "${SPEC_TIMEOUT:-300}" python3 benchmarks/bench_spec.py "$ENGINE" "$LOG/heldout.txt" ${SPEC_ARGS:-} > "$LOG/bench_spec.log" 2>&1
+  echo "spec benchmark: rc=$?"; grep '^|' "$LOG/bench_spec.log"
 fi

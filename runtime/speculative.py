@@ -21,7 +21,7 @@ Per step of the LLM (runtime/llm.py), around the one target call the scheduler p
    normalise(max(p_j - q_j, 0)); if every draft is accepted the bonus token is drawn from p_n.
    The accepted positions' hidden states become the request's pending MTP input for the next step.
 
-With ``DSA_MTP_FUSED=1`` a step in which every sequence verifies one greedy draft also runs step 1
+With ``DSA_MTP_FUSED=1`` (the default) a step in which every sequence verifies one greedy draft also runs step 1
 of the NEXT step (``fused_call``): the MTP pass over this step's own rows, their next tokens the
 target's argmax, the next draft taken from each sequence's last accepted row on the device. The
 next step then has no draft pass of its own (one host round, one CUDA graph per step).

@@ -50,13 +50,15 @@ def test_cuda_graph_decode_equals_eager(gpu_engine, capsys):
     assert graphed == eager
 
 
-def test_speculative_steps_replay_cuda_graphs(gpu_engine):
-    """MTP speculative decoding on the GPU: the verify steps (q = n + 1 rows per sequence) and the
-    draft passes replay CUDA graphs, and greedy output equals plain greedy decoding, token for token
-    (deterministic mode: a row's logits do not depend on how many rows its step has, so a verify
-    row and a decode row of the same position agree bitwise)."""
+def test_speculative_steps_replay_cuda_graphs(gpu_engine, monkeypatch):
+    """MTP speculative decoding on the GPU, the draft pass a call of its own (DSA_MTP_FUSED=0): the
+    verify steps (q = n + 1 rows per sequence) and the draft passes replay CUDA graphs, and greedy
+    output equals plain greedy decoding, token for token (deterministic mode: a row's logits do not
+    depend on how many rows its step has, so a verify row and a decode row of the same position
+    agree bitwise)."""
     from dsa_trt.runtime.llm import LLM
 
+    monkeypatch.setenv("DSA_MTP_FUSED", "0")
     plain = _greedy(LLM(gpu_engine, num_pages=64, deterministic=True))
     for n in (1, 2):
         llm = LLM(gpu_engine, num_pages=64, speculative=f"mtp:{n}", deterministic=True)
@@ -68,8 +70,8 @@ def test_speculative_steps_replay_cuda_graphs(gpu_engine):
 
 
 def test_fused_verify_and_draft_replays_one_cuda_graph(gpu_engine, monkeypatch):
-    """DSA_MTP_FUSED=1: a greedy one-draft verify step and the next step's MTP pass replay as one
-    CUDA graph (runtime/speculative.py fused_call); greedy output equals plain greedy decoding."""
+    """DSA_MTP_FUSED=1 (the default): a greedy one-draft verify step and the next step's MTP pass
+    replay as one CUDA graph (runtime/speculative.py fused_call); greedy output equals plain greedy decoding."""
     from dsa_trt.runtime.llm import LLM
 
     plain = _greedy(LLM(gpu_engine, num_pages=64, deterministic=True))
