@@ -7,10 +7,11 @@ For every op: X holds max(T) random rows; the op runs on X[:16] (the determinist
 step: StepInputs.pad_tokens(16)) and on X[:T] for each T; a T "differs" when any of the first
 min(T, 16) output rows is not bitwise equal to the T = 16 call's. Ops: torch.ops.dsa.fp8_block_linear
 with the plan's own K splits, with DSA_FP8_LINEAR_SPLITS=1 (the deterministic mode), and with each
-GEMM path forced at one split; torch.ops.dsa.moe_experts; cuBLAS through F.linear in bf16 (the bf16
-checkpoints' linears) and fp32 (the router, the indexer's weights_proj, the fp32 lm_head) and the
-bf16 GEMM with fp32 output (torch.mm out_dtype, the lm_head without an fp32 copy of its weight).
-The engine's batch invariance is the AND of these rows (tests/test_gpu_invariance.py checks it end
+GEMM path forced at one split; torch.ops.dsa.moe_experts; torch.ops.dsa.sparse_mla with its own
+split-KV plan and with DSA_MLA_SPLITS=1; cuBLAS through F.linear in bf16 (the bf16 checkpoints'
+linears) and fp32 (the router, the indexer's weights_proj, the Hadamard rotation, the fp32
+lm_head) and the bf16 GEMM with fp32 output (torch.mm out_dtype: the lm_head without an fp32 copy
+of its weight; its time beside the cast's, CUDA-graph replays). The engine's batch invariance is the AND of these rows (tests/test_gpu_invariance.py checks it end
 to end). GPU only.
 """
 
@@ -32,7 +33,8 @@ QUICK_TS = [1, 16, 32, 48, 64, 80, 256, 4096]
 BASE = 16
 FP8_SHAPES = [("q_a", 1536, 7168), ("q_b", 24576, 1536), ("kv_a", 576, 7168), ("o_proj", 7168, 16384),
               ("indexer wq_b", 8192, 1536), ("dense down", 7168, 18432)]
-FP32_SHAPES = [("router", 256, 7168), ("indexer weights_proj", 64, 7168), ("lm_head", 129280, 7168)]
+FP32_SHAPES = [("router", 256, 7168), ("indexer weights_proj", 64, 7168), ("Hadamard (rows: T x 64 heads)", 128, 128),
+               ("lm_head", 129280, 7168)]
 
 
 @contextmanager
@@ -71,16 +73,23 @@ def differing(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, ts: l
     return bad, worst
 
 
-def median_us(fn: Callable[[], torch.Tensor], iters: int = 20) -> float:
+def median_us(fn: Callable[[], torch.Tensor], iters: int = 20, calls: int = 10) -> float:
+    """GPU time of one fn() call: `calls` calls captured in one CUDA graph (no launch gaps, no Python),
+    median over `iters` replays (CUDA events) / calls."""
     fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
     times = []
     for _ in range(iters):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        fn()
+        graph.replay()
         b.record()
         b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
+        times.append(a.elapsed_time(b) * 1e3 / calls)
     return sorted(times)[len(times) // 2]
 
 
