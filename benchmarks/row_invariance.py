@@ -11,8 +11,8 @@ GEMM path forced at one split; torch.ops.dsa.moe_experts; torch.ops.dsa.sparse_m
 split-KV plan and with DSA_MLA_SPLITS=1; cuBLAS through F.linear in bf16 (the bf16 checkpoints'
 linears) and fp32 (the router, the indexer's weights_proj, the Hadamard rotation, the fp32
 lm_head) and the bf16 GEMM with fp32 output (torch.mm out_dtype: the lm_head without an fp32 copy
-of its weight; its time beside the cast's, CUDA-graph replays). The engine's batch invariance is the AND of these rows (tests/test_gpu_invariance.py checks it end
-to end). GPU only.
+of its weight; its time beside the cast's, CUDA-graph replays). The engine's batch invariance is
+the AND of these rows (tests/test_gpu_invariance.py checks it end to end). GPU only.
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ QUICK_TS = [1, 16, 32, 48, 64, 80, 256, 4096]
 BASE = 16
 FP8_SHAPES = [("q_a", 1536, 7168), ("q_b", 24576, 1536), ("kv_a", 576, 7168), ("o_proj", 7168, 16384),
               ("indexer wq_b", 8192, 1536), ("dense down", 7168, 18432)]
-FP32_SHAPES = [("router", 256, 7168), ("indexer weights_proj", 64, 7168), ("Hadamard (rows: T x 64 heads)", 128, 128),
-               ("lm_head", 129280, 7168)]
+FP32_SHAPES = [("router", 256, 7168), ("indexer weights_proj", 64, 7168),
+               ("Hadamard (a row per token x head)", 128, 128), ("lm_head", 129280, 7168)]
 
 
 @contextmanager
