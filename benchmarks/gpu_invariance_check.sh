@@ -1,19 +1,21 @@
 #!/usr/bin/env bash
 # One H200 run (< 9 minutes) of the issue-26 GPU half and the issue-25 item-7 benchmarks, logs under LOG_DIR:
 # the kernel library and torch binding (gpu_check.sh's setup stage), a CUDA engine of the tiny
-# checkpoint, tests/test_gpu_invariance.py, bench_deterministic.py, bench_step_profile.py and
-# bench_realdims.py (random real-dims weights made on the GPU: no 37 GB checkpoint to carry).
+# checkpoint, tests/test_gpu_invariance.py, row_invariance.py, bench_deterministic.py,
+# bench_step_profile.py and bench_realdims.py (random real-dims weights made on the GPU: no 37 GB
+# checkpoint to carry).
 #
 #   benchmarks/gpu_invariance_check.sh LOG_DIR CHECKPOINT [KV_CALIBRATION_JSON]
 #
 # Run from the repository root with the machine's python3 (torch + CUDA). STAGES (default
-# "setup engine test det profile realdims") picks stages; ENGINE_DIR (default /tmp/dsa_gpu_engine)
+# "setup engine test rows det profile realdims") picks stages ("rows": benchmarks/row_invariance.py,
+# which op's rows depend on the step's token count); ENGINE_DIR (default /tmp/dsa_gpu_engine)
 # is reused when it already holds an engine. REALDIMS_ARGS (default "--quick") goes to
 # bench_realdims.py, e.g. "--quick --experts 64 --contexts 4096 32768" to shorten it.
 set -uo pipefail
 LOG=${1:?LOG_DIR}; CKPT=${2:?CHECKPOINT}; CAL=${3:-}
 ENGINE=${ENGINE_DIR:-/tmp/dsa_gpu_engine}
-STAGES=${STAGES:-setup engine test det profile realdims}
+STAGES=${STAGES:-setup engine test rows det profile realdims}
 export PYTHONUNBUFFERED=1 DSA_TEST_CHECKPOINT=$CKPT
 mkdir -p "$LOG"
 has() { [[ " $STAGES " == *" $1 "* ]]; }
@@ -32,6 +34,10 @@ if has test; then
   DSA_TEST_GPU_ENGINE=$ENGINE timeout 120 python3 -m pytest -q -ra -s -p no:cacheprovider tests/test_gpu_invariance.py \
     > "$LOG/test_gpu_invariance.log" 2>&1
   stamp "test_gpu_invariance: rc=$? $(tail -1 "$LOG/test_gpu_invariance.log")"; grep '^\[gpu-invariance\]' "$LOG/test_gpu_invariance.log"
+fi
+if has rows; then
+  timeout 150 python3 benchmarks/row_invariance.py --quick > "$LOG/row_invariance.log" 2>&1
+  stamp "row_invariance: rc=$?"; grep '^|' "$LOG/row_invariance.log"
 fi
 if has det; then
   timeout 75 python3 benchmarks/bench_deterministic.py "$ENGINE" --quick > "$LOG/bench_deterministic.log" 2>&1

@@ -11,22 +11,23 @@ GEMM path forced at one split; torch.ops.dsa.moe_experts; torch.ops.dsa.sparse_m
 split-KV plan and with DSA_MLA_SPLITS=1; cuBLAS through F.linear in bf16 (the bf16 checkpoints'
 linears) and fp32 (the router, the indexer's weights_proj, the Hadamard rotation, the fp32
 lm_head) and the bf16 GEMM with fp32 output (torch.mm out_dtype: the lm_head without an fp32 copy
-of its weight; its time beside the cast's, CUDA-graph replays). The engine's batch invariance is
+of its weight; its time beside the cast's, timed as benchmarks/timing.py does). The engine's batch invariance is
 the AND of these rows (tests/test_gpu_invariance.py checks it end to end). GPU only.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from collections.abc import Callable
-from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
 
+from timing import time_both_us
+
 from dsa_trt.plugins import cuda_ops
+from dsa_trt.runtime.knobs import environ
 
 TS = [1, 8, 16, 32, 48, 64, 65, 80, 128, 256, 1024, 4096]
 QUICK_TS = [1, 16, 32, 48, 64, 80, 256, 4096]
@@ -35,24 +36,6 @@ FP8_SHAPES = [("q_a", 1536, 7168), ("q_b", 24576, 1536), ("kv_a", 576, 7168), ("
               ("indexer wq_b", 8192, 1536), ("dense down", 7168, 18432)]
 FP32_SHAPES = [("router", 256, 7168), ("indexer weights_proj", 64, 7168),
                ("Hadamard (a row per token x head)", 128, 128), ("lm_head", 129280, 7168)]
-
-
-@contextmanager
-def env(**kv: str | None):
-    old = {k: os.environ.get(k) for k in kv}
-    try:
-        for k, v in kv.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def random_e4m3(shape, g: torch.Generator) -> torch.Tensor:
@@ -71,26 +54,6 @@ def differing(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, ts: l
             bad.append(t)
             worst = max(worst, float(((out - base[:r]).abs().max() / base[:r].abs().max().clamp(min=1e-30))))
     return bad, worst
-
-
-def median_us(fn: Callable[[], torch.Tensor], iters: int = 20, calls: int = 10) -> float:
-    """GPU time of one fn() call: `calls` calls captured in one CUDA graph (no launch gaps, no Python),
-    median over `iters` replays (CUDA events) / calls."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / calls)
-    return sorted(times)[len(times) // 2]
 
 
 def row(name: str, shape: str, bad: list[int], worst: float, ts: list[int]) -> str:
@@ -119,7 +82,7 @@ def main() -> int:
         for label, kv in (("plan", {}), ("splits 1", {"DSA_FP8_LINEAR_SPLITS": "1"}),
                           ("splits 1, tma-swap", {"DSA_FP8_LINEAR_SPLITS": "1", "DSA_FP8_LINEAR_PATH": "tma-swap"}),
                           ("splits 1, tma", {"DSA_FP8_LINEAR_SPLITS": "1", "DSA_FP8_LINEAR_PATH": "tma"})):
-            with env(**{"DSA_FP8_LINEAR_SPLITS": None, "DSA_FP8_LINEAR_PATH": None, **kv}):
+            with environ({"DSA_FP8_LINEAR_SPLITS": None, "DSA_FP8_LINEAR_PATH": None, **kv}):
                 print(row(f"fp8_block_linear {name} ({label})", f"{n} x {k}", *differing(fn, x, ts), ts), flush=True)
         wb = (w8.float() * ws.repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]).to(torch.bfloat16)
         print(row(f"F.linear bf16 {name}", f"{n} x {k}", *differing(lambda v: F.linear(v, wb), x, ts), ts), flush=True)
@@ -136,11 +99,12 @@ def main() -> int:
         diff = float((torch.mm(x[:BASE], w.t(), out_dtype=torch.float32) - F.linear(x[:BASE].float(), wf)).abs().max())
         print(f"|   mm bf16 -> fp32 vs F.linear fp32, {name}, T = {BASE} | | | {'equal' if same else 'not equal'} "
               f"| {diff:.1e} abs |", flush=True)
-        if name == "lm_head":  # what the fp32 copy of the head costs per step (CUDA events, median of 20)
+        if name == "lm_head":  # what the fp32 copy of the head costs per step (timing.py: graph, L2 flushed)
+            flush = torch.empty(64 << 20, dtype=torch.int32, device="cuda")
             for t in (1, 32):
                 h = x[:t].contiguous()
-                cast = median_us(lambda: F.linear(h.float(), w.float()))
-                mm = median_us(lambda: torch.mm(h, w.t(), out_dtype=torch.float32))
+                cast = time_both_us(lambda: F.linear(h.float(), w.float()), flush, 20)[0]
+                mm = time_both_us(lambda: torch.mm(h, w.t(), out_dtype=torch.float32), flush, 20)[0]
                 print(f"|   lm_head {n} x {k}, T = {t}: F.linear(h.float(), w.float()) {cast:.0f} µs, "
                       f"mm bf16 -> fp32 {mm:.0f} µs | | | | |", flush=True)
         del w, wf
@@ -172,7 +136,7 @@ def main() -> int:
         mla = lambda v, q=q, slots=slots: torch.ops.dsa.sparse_mla(v, pool, slots[: v.shape[0]], 0.01,
                                                                      dim**-0.5)[0]
         for label, kv in (("auto splits", {}), ("DSA_MLA_SPLITS=1", {"DSA_MLA_SPLITS": "1"})):
-            with env(**{"DSA_MLA_SPLITS": None, **kv}):
+            with environ({"DSA_MLA_SPLITS": None, **kv}):
                 print(row(f"sparse_mla fp8, {heads} heads ({label})", f"top-k {topk}", *differing(mla, q, ts), ts),
                       flush=True)
     return 0

@@ -83,7 +83,8 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
          "(one CUDA graph; H200: 1.13x plain at B=1 where the separate pass gives 0.84x); 0: a draft pass of its own",
          _choice("0", "1")),
     Knob("DSA_DETERMINISTIC", "0", "1: pad every step to a multiple of 16 tokens so a request's logits do not "
-         "depend on its batch (bitwise on the CPU engine); 0: off", _choice("0", "1")),
+         "depend on its batch (bitwise on the CPU engine) and run the CUDA fp8 linear and sparse MLA unsplit; 0: off",
+         _choice("0", "1")),
     Knob("DSA_VERIFY_ENGINE", "full", "engine-dir check at load: full (sha256 of every file of the rank), size "
          "(sizes and the config tie only), off", _choice(*VERIFY_MODES)),
     Knob("DSA_MLA_SPLITS", "0", "sparse-MLA decode split count: 0 = auto, 1 = unsplit, n = n chunks",
@@ -119,14 +120,15 @@ DETERMINISTIC_KERNEL_ENV = {"DSA_FP8_LINEAR_SPLITS": "1", "DSA_MLA_SPLITS": "1"}
 
 
 @contextlib.contextmanager
-def deterministic_kernels(on: bool = True):
-    """DETERMINISTIC_KERNEL_ENV set while the block runs (restored after) when ``on``; else nothing."""
-    if not on:
-        yield
-        return
-    old = {k: os.environ.get(k) for k in DETERMINISTIC_KERNEL_ENV}
-    os.environ.update(DETERMINISTIC_KERNEL_ENV)
+def environ(values: dict[str, str | None]):
+    """``os.environ`` with ``values`` set (None: unset) while the block runs, restored after."""
+    old = {k: os.environ.get(k) for k in values}
     try:
+        for k, v in values.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
         yield
     finally:
         for k, v in old.items():
@@ -134,6 +136,12 @@ def deterministic_kernels(on: bool = True):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def deterministic_kernels(on: bool = True):
+    """A context with DETERMINISTIC_KERNEL_ENV set while it runs (restored after) when ``on``; else a
+    context that changes nothing."""
+    return environ(DETERMINISTIC_KERNEL_ENV) if on else contextlib.nullcontext()
 
 
 def validate_environment(environ: dict | None = None) -> None:

@@ -10,6 +10,8 @@ same way: its logprobs are bitwise equal alone and batched. Real CPU engines (te
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -87,3 +89,30 @@ def test_padded_step_leaves_the_real_rows_unchanged(engine):
     assert torch.equal(a[:2], b[:2]), f"max |diff| {(a[:2] - b[:2]).abs().max().item():.3g}"
     for p, q in zip(pools_a[0] + pools_a[1], pools_b[0] + pools_b[1]):
         assert torch.equal(p[:3], q[:3]), "the padding rows wrote into the caches"
+
+
+def test_deterministic_kernel_plans_around_steps(engine, monkeypatch):
+    """The deterministic mode's kernel plans (knobs.DETERMINISTIC_KERNEL_ENV: the CUDA fp8 linear and
+    sparse MLA unsplit) are set while its steps run and restored after; a default-mode LLM's steps
+    see the process's own values."""
+    from dsa_trt.runtime import knobs
+
+    monkeypatch.setenv("DSA_MLA_SPLITS", "3")
+    monkeypatch.delenv("DSA_FP8_LINEAR_SPLITS", raising=False)
+    seen = []
+    for deterministic in (True, False):
+        llm = LLM(engine, num_pages=64, deterministic=deterministic)
+        run = llm._run
+
+        def spy(*args, run=run, **kwargs):
+            seen.append((deterministic, {k: os.environ.get(k) for k in knobs.DETERMINISTIC_KERNEL_ENV}))
+            return run(*args, **kwargs)
+
+        llm._run = spy
+        llm.generate(["Hello"], SamplingParams(temperature=0.0, max_tokens=2))
+        assert os.environ.get("DSA_MLA_SPLITS") == "3" and "DSA_FP8_LINEAR_SPLITS" not in os.environ
+    assert {d for d, _ in seen} == {True, False}
+    for deterministic, env in seen:
+        want = knobs.DETERMINISTIC_KERNEL_ENV if deterministic else {"DSA_MLA_SPLITS": "3",
+                                                                       "DSA_FP8_LINEAR_SPLITS": None}
+        assert env == want, (deterministic, env)

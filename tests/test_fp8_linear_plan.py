@@ -53,6 +53,29 @@ def test_bad_knob_is_named(lib, monkeypatch):
     assert path_of(lib, 1, 576, 7168) == "invalid DSA_FP8_LINEAR_PATH"
 
 
+@pytest.mark.parametrize("t,n,k", [(1, 576, 7168), (16, 1536, 7168), (64, 7168, 16384), (4096, 576, 7168)])
+def test_split_cap(lib, monkeypatch, t, n, k):
+    """DSA_FP8_LINEAR_SPLITS caps the K splits (the deterministic mode's 1: the same sums at every T);
+    the path and tile stay the plan's; it only lowers a split count, never raises it."""
+    monkeypatch.delenv("DSA_FP8_LINEAR_PATH", raising=False)
+    monkeypatch.delenv("DSA_FP8_LINEAR_SPLITS", raising=False)
+    own = path_of(lib, t, n, k)
+    own_splits = int(own.rsplit(" ", 1)[1])
+    for cap in (1, 2, 32):
+        monkeypatch.setenv("DSA_FP8_LINEAR_SPLITS", str(cap))
+        capped = path_of(lib, t, n, k)
+        assert capped.rsplit(" ", 1)[0] == own.rsplit(" ", 1)[0]
+        assert int(capped.rsplit(" ", 1)[1]) <= min(cap, own_splits)
+    monkeypatch.setenv("DSA_FP8_LINEAR_SPLITS", "1")
+    assert path_of(lib, t, n, k).endswith(" split 1")
+
+
+@pytest.mark.parametrize("bad", ["0", "33", "two", "-1"])
+def test_bad_split_cap_is_named(lib, monkeypatch, bad):
+    monkeypatch.setenv("DSA_FP8_LINEAR_SPLITS", bad)
+    assert path_of(lib, 1, 576, 7168) == "invalid DSA_FP8_LINEAR_SPLITS"
+
+
 @pytest.mark.parametrize("n,k", REAL_LINEAR_SHAPES + [(576, 208), (300, 384), (64, 1008)])
 def test_workspace_grows_with_tokens(lib, n, k):
     nkb = -(-k // BLOCK)
