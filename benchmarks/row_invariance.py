@@ -11,7 +11,7 @@ GEMM path forced at one split; torch.ops.dsa.moe_experts; torch.ops.dsa.sparse_m
 split-KV plan and with DSA_MLA_SPLITS=1; cuBLAS through F.linear in bf16 (the bf16 checkpoints'
 linears) and fp32 (the router, the indexer's weights_proj, the Hadamard rotation, the fp32
 lm_head) and the bf16 GEMM with fp32 output (torch.mm out_dtype: the lm_head without an fp32 copy
-of its weight; its time beside the cast's, timed as benchmarks/timing.py does). The engine's batch invariance is
+of its weight), each form's time beside the other's (as benchmarks/timing.py times). The engine's batch invariance is
 the AND of these rows (tests/test_gpu_invariance.py checks it end to end). GPU only.
 """
 
@@ -99,14 +99,16 @@ def main() -> int:
         diff = float((torch.mm(x[:BASE], w.t(), out_dtype=torch.float32) - F.linear(x[:BASE].float(), wf)).abs().max())
         print(f"|   mm bf16 -> fp32 vs F.linear fp32, {name}, T = {BASE} | | | {'equal' if same else 'not equal'} "
               f"| {diff:.1e} abs |", flush=True)
-        if name == "lm_head":  # what the fp32 copy of the head costs per step (timing.py: graph, L2 flushed)
-            flush = torch.empty(64 << 20, dtype=torch.int32, device="cuda")
-            for t in (1, 32):
-                h = x[:t].contiguous()
-                cast = time_both_us(lambda: F.linear(h.float(), w.float()), flush, 20)[0]
-                mm = time_both_us(lambda: torch.mm(h, w.t(), out_dtype=torch.float32), flush, 20)[0]
-                print(f"|   lm_head {n} x {k}, T = {t}: F.linear(h.float(), w.float()) {cast:.0f} µs, "
-                      f"mm bf16 -> fp32 {mm:.0f} µs | | | | |", flush=True)
+        # the cost of each form (timing.py: CUDA graph, L2 flushed): the lm_head's fp32 copy of the
+        # head per step, cuBLAS fp32 (the weight already fp32) for the others
+        flush = torch.empty(64 << 20, dtype=torch.int32, device="cuda")
+        for t in (1, 32) if name == "lm_head" else (16, 4096):
+            h = x[:t].contiguous()
+            fp32 = (lambda: F.linear(h.float(), w.float())) if name == "lm_head" else (lambda: F.linear(h.float(), wf))
+            cast = time_both_us(fp32, flush, 20)[0]
+            mm = time_both_us(lambda: torch.mm(h, w.t(), out_dtype=torch.float32), flush, 20)[0]
+            print(f"|   {name} {n} x {k}, T = {t}: F.linear fp32 {cast:.1f} µs, mm bf16 -> fp32 {mm:.1f} µs "
+                  "| | | | |", flush=True)
         del w, wf
     # the routed experts: 16 local experts of 256 (expert-parallel rank 0 of 16), real D and I
     e_local, experts, top_k, d, i = 16, 256, 8, 7168, 2048

@@ -340,7 +340,7 @@ def _einsum(equation: str, tensors, path=None):
 
 
 def _mm_fp32_out(a, b, out_dtype):
-    """aten::mm.dtype (export/layers.py fp32_logits: a bf16 GEMM with fp32 output) as the fp32 GEMM of
+    """aten::mm.dtype (export/layers.py fp32_linear: a bf16 GEMM with fp32 output) as the fp32 GEMM of
     the cast operands: the same products (bf16 x bf16 is exact in fp32), fp32 accumulation; the
     weight's Cast folds into an fp32 initializer when TensorRT builds the plan."""
     if out_dtype not in (torch.float32, ir.DataType.FLOAT):  # the exporter passes ONNX's data type

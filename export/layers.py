@@ -116,16 +116,26 @@ def dequantised_linears(net: nn.Module) -> list[str]:
     return [name for name, m in net.named_modules() if getattr(m, "fp8_dequantised", False)]
 
 
-def fp32_logits(h: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """The lm_head: ``h @ weight.T`` as fp32 logits (docs/architecture.md §8). A bf16 head on CUDA is
-    one bf16 GEMM with fp32 output: bf16 products are exact in fp32 and the GEMM accumulates in fp32,
-    so it is the fp32 GEMM of the cast operands up to summation order, without the fp32 copy of the
-    whole head that ``weight.float()`` makes every step (V3.2's 129,280 x 7168 head: 3.7 GB written
-    and read again per step). aten::mm.dtype has no CPU kernel, so the CPU keeps the cast; the ONNX
-    graph gets Cast + MatMul (builder/onnx_export.py)."""
-    if h.is_cuda and h.dtype == weight.dtype == torch.bfloat16:
-        return torch.mm(h, weight.t(), out_dtype=torch.float32)
-    return F.linear(h.float(), weight.float())
+def fp32_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` with fp32 output from bf16-stored operands, as the official numerics apply the
+    lm_head, the router and the indexer's weights_proj in fp32 (docs/architecture.md §8). Bf16
+    operands on CUDA: one bf16 GEMM with fp32 output: bf16 products are exact in fp32 and the GEMM
+    sums in fp32, so it is the fp32 GEMM of the cast operands up to summation order, without fp32
+    copies of the operands (the lm_head's: 3.5 ms per step at V3.2's head against 0.44 ms) and at
+    a third to a tenth of cuBLAS fp32's time for the router and weights_proj; its rows are also
+    invariant to the row count over more T (benchmarks/RESULTS.md, "Row invariance"). aten::mm.dtype
+    has no CPU kernel, so the CPU keeps the cast; the ONNX graph gets Cast + MatMul
+    (builder/onnx_export.py)."""
+    if x.is_cuda and x.dtype == weight.dtype == torch.bfloat16:
+        return torch.mm(x, weight.t(), out_dtype=torch.float32)
+    return F.linear(x.float(), weight.float())
+
+
+def stored_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the weights the official numerics store in bf16 and apply in fp32 (router,
+    weights_proj): bf16 in bf16 networks (fp32_linear's GEMM; the checkpoint's own bf16, so loading
+    is exact), fp32 in float32 networks."""
+    return torch.bfloat16 if dtype == torch.bfloat16 else torch.float32
 
 
 def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -166,6 +176,13 @@ def hadamard_matrix(n: int) -> torch.Tensor:
     return h / math.sqrt(n)
 
 
+def hadamard_buffers(n: int) -> dict[str, torch.Tensor]:
+    """The indexer's rotation buffers: ``hadamard`` (H_n / sqrt(n), fp32) and ``hadamard_signs`` (its
+    exact +-1 entries in bf16, the operand of the bf16 GEMM on CUDA: Indexer._rotate)."""
+    h = hadamard_matrix(n)
+    return {"hadamard": h, "hadamard_signs": h.sign().to(torch.bfloat16)}
+
+
 class SwiGLU(nn.Module):
     """Dense FFN / one expert: down(silu(gate x) * up x); silu*up in fp32 (docs/architecture.md §8)."""
 
@@ -183,11 +200,13 @@ class SwiGLU(nn.Module):
 
 
 class Router(nn.Module):
-    """Sigmoid + correction bias + group-limited top-k (docs/architecture.md §8); weights and math in fp32."""
+    """Sigmoid + correction bias + group-limited top-k (docs/architecture.md §8); math in fp32, the
+    weight stored as stored_dtype(dtype)."""
 
-    def __init__(self, cfg: ModelConfig, num_experts: int):
+    def __init__(self, cfg: ModelConfig, num_experts: int, dtype: torch.dtype = torch.float32):
         super().__init__()
-        self.weight = nn.Parameter(torch.zeros(num_experts, cfg.hidden_size), requires_grad=False)
+        self.weight = nn.Parameter(torch.zeros(num_experts, cfg.hidden_size, dtype=stored_dtype(dtype)),
+                                   requires_grad=False)
         self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts), requires_grad=False)
         self.cfg = cfg
         # Test hook (tests/test_w8a8.py): global expert ids [T, k] to use instead of this router's
@@ -203,7 +222,7 @@ class Router(nn.Module):
     def select(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, D] -> (global expert ids [T, k] int64, combine weights [T, k] fp32)."""
         cfg = self.cfg
-        scores = torch.sigmoid(x.float() @ self.weight.float().t())  # [T, E]
+        scores = torch.sigmoid(fp32_linear(x, self.weight))  # [T, E]
         idx = self.replay_ids.to(x.device) if self.replay_ids is not None else self._choose(scores)
         w = scores.gather(1, idx)
         if cfg.norm_topk_prob:
@@ -274,7 +293,7 @@ class MoE(nn.Module):
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, expert_range: tuple[int, int] | None = None,
                  tp_size: int = 1, expert_op: bool = False, weight_format: str = "dequant"):
         super().__init__()
-        self.gate = Router(cfg, cfg.n_routed_experts)
+        self.gate = Router(cfg, cfg.n_routed_experts, dtype)
         lo, hi = expert_range or (0, cfg.n_routed_experts)
         self.expert_lo, self.expert_hi = lo, hi
         self.tp_size = tp_size

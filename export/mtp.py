@@ -30,7 +30,7 @@ from dsa_trt.plugins.pools import allocate_pools
 from dsa_trt.step import dynamic_shapes, export_dims
 
 from .checkpoint import Checkpoint
-from .layers import RMSNorm, fp32_logits, hadamard_matrix, linear, resolve_weight_format, rope_cos_sin
+from .layers import RMSNorm, fp32_linear, hadamard_buffers, linear, resolve_weight_format, rope_cos_sin
 from .network import CACHE_MODES, DecoderLayer, check_dequantised
 from .program import Progress, checkpoint_tensors, example_step
 from .sharding import check_tp
@@ -104,7 +104,7 @@ class MTPDraft(nn.Module):
         z = b.eh_proj(torch.cat([b.enorm(e), b.hnorm(hidden_states.to(e.dtype))], dim=-1))
         z = b(z, cos, sin, meta, mla_pools[0], index_pools[0], self.cache_mode)  # [T, D]
         h = b.shared_head.norm(z[logits_indices])
-        return fp32_logits(h, b.shared_head.head.weight), z
+        return fp32_linear(h, b.shared_head.head.weight), z
 
 
 def build_mtp_network(ckpt: Checkpoint, cache_mode: str, dtype: torch.dtype, kv_scale: float = 1.0,
@@ -122,7 +122,8 @@ def build_mtp_network(ckpt: Checkpoint, cache_mode: str, dtype: torch.dtype, kv_
     state = {name: t.to(device) for name, t in checkpoint_tensors(ckpt, net, tp_rank, tp_size, progress)}
     net.load_state_dict(state, strict=True, assign=True)
     net.inv_freq = cfg.rope_inv_freq().to(device)
-    net.block.self_attn.indexer.hadamard = hadamard_matrix(cfg.index_head_dim).to(device)
+    for name, t in hadamard_buffers(cfg.index_head_dim).items():
+        setattr(net.block.self_attn.indexer, name, t.to(device))
     net.block.self_attn.kv_scale = float(kv_scale)
     return net.eval()
 

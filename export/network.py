@@ -29,13 +29,14 @@ from .layers import (
     SwiGLU,
     block_linear,
     dequantised_linears,
-    fp32_logits,
-    hadamard_matrix,
+    fp32_linear,
+    hadamard_buffers,
     linear,
     rope_cos_sin,
     rope_half_split,
     rope_interleaved,
     resolve_weight_format,
+    stored_dtype,
 )
 from .sharding import check_tp, local_experts
 
@@ -62,14 +63,26 @@ class Indexer(nn.Module):
         self.wq_b = block_linear(cfg.q_lora_rank, cfg.index_n_heads * cfg.index_head_dim, dtype, fp8)
         self.wk = block_linear(cfg.hidden_size, cfg.index_head_dim, dtype, fp8)
         self.k_norm = IndexerKNorm(cfg.index_head_dim)
-        # stored bf16, applied in fp32 to fp32 x (docs/architecture.md §8)
-        self.weights_proj = nn.Linear(cfg.hidden_size, cfg.index_n_heads, bias=False, dtype=torch.float32)
+        # stored bf16, applied in fp32 to fp32 x (docs/architecture.md §8; layers.fp32_linear)
+        self.weights_proj = nn.Linear(cfg.hidden_size, cfg.index_n_heads, bias=False, dtype=stored_dtype(dtype))
         self.weights_proj.weight.requires_grad_(False)
-        self.register_buffer("hadamard", hadamard_matrix(cfg.index_head_dim), persistent=False)
+        for name, t in hadamard_buffers(cfg.index_head_dim).items():
+            self.register_buffer(name, t, persistent=False)
         # Test hook (tests/test_w8a8.py): key positions [T, k] in each token's own sequence (-1 or
         # beyond the token's position: none) to attend instead of this indexer's top-k, so an eager
         # forward replays another implementation's selection. Never set in exported programs.
         self.replay_positions: torch.Tensor | None = None
+
+    def _rotate(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ H, the orthonormal Hadamard rotation over the last dim, in fp32, back to x's dtype. Bf16
+        on CUDA: a bf16 GEMM against the exact +-1 matrix with fp32 output, then the 1 / sqrt(d)
+        scale (rows invariant to the row count, half cuBLAS fp32's time at 4096 x 64 rows:
+        benchmarks/RESULTS.md, "Row invariance")."""
+        if x.is_cuda and x.dtype == torch.bfloat16:
+            d = x.shape[-1]
+            y = torch.mm(x.reshape(-1, d), self.hadamard_signs, out_dtype=torch.float32) * d**-0.5
+            return y.view(x.shape).to(x.dtype)
+        return (x.float() @ self.hadamard).to(x.dtype)
 
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         r = self.cfg.qk_rope_head_dim
@@ -83,10 +96,9 @@ class Indexer(nn.Module):
         k = self.k_norm(self.wk(x))
         q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
         # Hadamard rotation: orthogonal, so q.k is unchanged; it spreads outliers before fp8.
-        q = (q.float() @ self.hadamard).to(q.dtype)
-        k = (k.float() @ self.hadamard).to(k.dtype)
+        q, k = self._rotate(q), self._rotate(k)
         torch.ops.dsa.indexer_k_cache_write(k if gather is None else gather(k), slot_mapping, pool)
-        w = self.weights_proj(x.float()) * (cfg.index_n_heads**-0.5 * cfg.index_head_dim**-0.5)
+        w = fp32_linear(x, self.weights_proj.weight) * (cfg.index_n_heads**-0.5 * cfg.index_head_dim**-0.5)
         if fp8:
             q, q_scale = quant_fp8_pow2(q)  # one power-of-two scale per (token, head)
             w = w * q_scale
@@ -263,6 +275,6 @@ class DSAForCausalLM(nn.Module):
             h = layer(h, cos, sin, meta, mla_pool, index_pool, self.cache_mode)
         if self.return_hidden:  # the MTP draft program's input: every token's final-norm state (dsa_trt/step.py)
             h = self.model.norm(h)  # row-wise, so norm(h)[rows] == norm(h[rows])
-            return fp32_logits(h[logits_indices], self.lm_head.weight), h
+            return fp32_linear(h[logits_indices], self.lm_head.weight), h
         h = self.model.norm(h[logits_indices])
-        return fp32_logits(h, self.lm_head.weight)  # lm_head in fp32 (docs/architecture.md §8)
+        return fp32_linear(h, self.lm_head.weight)  # lm_head in fp32 (docs/architecture.md §8)

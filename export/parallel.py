@@ -51,7 +51,7 @@ from dsa_trt.plugins.pools import allocate_pools
 from dsa_trt.step import STEP_FIELDS, StepInputs, dynamic_shapes, export_dims
 
 from .checkpoint import Checkpoint
-from .layers import MoE, fp32_logits, rope_cos_sin
+from .layers import MoE, fp32_linear, rope_cos_sin
 from .network import DSAForCausalLM
 from .program import build_network, example_step
 
@@ -234,7 +234,7 @@ class ParallelDSAForCausalLM(DSAForCausalLM):
         owned = (logits_indices % p == r)[:, None]
         rows = torch.where(owned, h[logits_indices // p], torch.zeros((), dtype=h.dtype, device=h.device))
         h = self.model.norm(torch.ops.dsa.all_reduce(rows, p))  # each row is non-zero on one rank only
-        return fp32_logits(h, self.lm_head.weight)
+        return fp32_linear(h, self.lm_head.weight)
 
 
 def build_parallel_network(ckpt: Checkpoint, cache_mode: str, dtype: torch.dtype, parallel: ParallelConfig,

@@ -17,7 +17,7 @@ from dsa_trt.plugins.pools import allocate_pools
 from dsa_trt.step import StepInputs, dynamic_shapes, export_dims
 
 from .checkpoint import Checkpoint
-from .layers import StackedExperts, hadamard_matrix
+from .layers import StackedExperts, hadamard_buffers
 from .network import DSAForCausalLM
 from .sharding import shard_tensor
 
@@ -71,7 +71,8 @@ def derived_buffers(net: DSAForCausalLM) -> dict[str, torch.Tensor]:
     """The non-persistent buffers (computed from the config, not stored in the checkpoint), on the CPU."""
     out = {"inv_freq": net.cfg.rope_inv_freq()}
     for i, _ in enumerate(net.model.layers):
-        out[f"model.layers.{i}.self_attn.indexer.hadamard"] = hadamard_matrix(net.cfg.index_head_dim)
+        for name, t in hadamard_buffers(net.cfg.index_head_dim).items():
+            out[f"model.layers.{i}.self_attn.indexer.{name}"] = t
     return out
 
 

@@ -567,8 +567,8 @@ def test_whole_graph_with_reference_plugins(f32_graphs, ckpt):
                 f"step {i} pool {layer}: {off:.3%} entries differ, worst {steps_off:.2e} relative"
 
 
-def test_fp32_logits_translation():
-    """The CUDA lm_head (export/layers.py fp32_logits: aten::mm.dtype, a bf16 GEMM with fp32 output)
+def test_fp32_linear_translation():
+    """The CUDA lm_head (export/layers.py fp32_linear: aten::mm.dtype, a bf16 GEMM with fp32 output)
     becomes Cast + Cast + MatMul in fp32: no aten node left, and in ONNX Runtime the logits of the
     fp32 GEMM of the bf16-rounded operands (exact products, fp32 sums: float32 tolerance)."""
     from dsa_trt.builder.onnx_export import OPSET, TRANSLATIONS
