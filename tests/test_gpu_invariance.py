@@ -131,3 +131,38 @@ def test_default_mode_logit_diffs_of_one_step(engine, capsys):
               f"{pre1.argmax().item() == pre8.argmax().item()} / {dec1.argmax().item() == dec8.argmax().item()}")
     assert torch.isfinite(pre8).all() and torch.isfinite(dec8).all()
     assert max(d_pre, d_dec) <= 0.05 * max(scale, 1.0), "batched logits far from alone: not rounding noise"
+
+
+def test_fp32_products_of_bf16_weights_on_cuda():
+    """export/layers.py fp32_linear and Indexer._rotate on CUDA bf16 operands (the bf16 GEMM with
+    fp32 output): the fp32 product of the same bf16 values within fp32 summation error, and each
+    row the same at every row count up to 80 (benchmarks/RESULTS.md, "Row invariance")."""
+    from dsa_trt.export.layers import fp32_linear, hadamard_buffers
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for n, k in ((256, 7168), (64, 7168)):  # router, weights_proj
+        x = torch.randn(80, k, generator=g, device="cuda").to(torch.bfloat16)
+        w = (torch.randn(n, k, generator=g, device="cuda") * 0.02).to(torch.bfloat16)
+        got = fp32_linear(x, w)
+        want = x.double() @ w.double().t()
+        bound = (x.double().abs() @ w.double().abs().t()) * 2**-20
+        assert got.dtype == torch.float32 and bool(((got.double() - want).abs() <= bound).all())
+        for t in (1, 16, 33, 80):
+            assert torch.equal(fp32_linear(x[:t], w), got[:t]), f"{n} x {k}: rows differ at T={t}"
+
+    class Rotate(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            for name, t in hadamard_buffers(128).items():
+                self.register_buffer(name, t.cuda())
+
+    from dsa_trt.export.network import Indexer
+
+    rot = Rotate()
+    q = torch.randn(80, 64, 128, generator=g, device="cuda").to(torch.bfloat16)
+    got = Indexer._rotate(rot, q)
+    want = (q.double() @ rot.hadamard.double()).to(torch.bfloat16)
+    assert got.dtype == torch.bfloat16 and got.shape == q.shape
+    assert float((got.float() - want.float()).abs().max()) <= float(want.float().abs().max()) * 2**-7
+    for t in (1, 16, 33):
+        assert torch.equal(Indexer._rotate(rot, q[:t]), got[:t])
