@@ -119,23 +119,23 @@ def get(name: str, environ: dict | None = None):
 DETERMINISTIC_KERNEL_ENV = {"DSA_FP8_LINEAR_SPLITS": "1", "DSA_MLA_SPLITS": "1"}
 
 
+def _apply(values: dict[str, str | None]) -> None:
+    for k, v in values.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
 @contextlib.contextmanager
 def environ(values: dict[str, str | None]):
     """``os.environ`` with ``values`` set (None: unset) while the block runs, restored after."""
     old = {k: os.environ.get(k) for k in values}
     try:
-        for k, v in values.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        _apply(values)
         yield
     finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        _apply(old)
 
 
 def deterministic_kernels(on: bool = True):
