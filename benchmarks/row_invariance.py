@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from timing import time_both_us
 
 from dsa_trt.plugins import cuda_ops
-from dsa_trt.runtime.knobs import environ
+from dsa_trt.runtime.knobs import scoped_env
 
 TS = [1, 8, 16, 32, 48, 64, 65, 80, 128, 256, 1024, 4096]
 QUICK_TS = [1, 16, 32, 48, 64, 80, 256, 4096]
@@ -82,7 +82,7 @@ def main() -> int:
         for label, kv in (("plan", {}), ("splits 1", {"DSA_FP8_LINEAR_SPLITS": "1"}),
                           ("splits 1, tma-swap", {"DSA_FP8_LINEAR_SPLITS": "1", "DSA_FP8_LINEAR_PATH": "tma-swap"}),
                           ("splits 1, tma", {"DSA_FP8_LINEAR_SPLITS": "1", "DSA_FP8_LINEAR_PATH": "tma"})):
-            with environ({"DSA_FP8_LINEAR_SPLITS": None, "DSA_FP8_LINEAR_PATH": None, **kv}):
+            with scoped_env({"DSA_FP8_LINEAR_SPLITS": None, "DSA_FP8_LINEAR_PATH": None, **kv}):
                 print(row(f"fp8_block_linear {name} ({label})", f"{n} x {k}", *differing(fn, x, ts), ts), flush=True)
         wb = (w8.float() * ws.repeat_interleave(128, 0)[:n].repeat_interleave(128, 1)[:, :k]).to(torch.bfloat16)
         print(row(f"F.linear bf16 {name}", f"{n} x {k}", *differing(lambda v: F.linear(v, wb), x, ts), ts), flush=True)
@@ -138,7 +138,7 @@ def main() -> int:
         mla = lambda v, q=q, slots=slots: torch.ops.dsa.sparse_mla(v, pool, slots[: v.shape[0]], 0.01,
                                                                      dim**-0.5)[0]
         for label, kv in (("auto splits", {}), ("DSA_MLA_SPLITS=1", {"DSA_MLA_SPLITS": "1"})):
-            with environ({"DSA_MLA_SPLITS": None, **kv}):
+            with scoped_env({"DSA_MLA_SPLITS": None, **kv}):
                 print(row(f"sparse_mla fp8, {heads} heads ({label})", f"top-k {topk}", *differing(mla, q, ts), ts),
                       flush=True)
     return 0

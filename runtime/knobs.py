@@ -128,7 +128,7 @@ def _apply(values: dict[str, str | None]) -> None:
 
 
 @contextlib.contextmanager
-def environ(values: dict[str, str | None]):
+def scoped_env(values: dict[str, str | None]):
     """``os.environ`` with ``values`` set (None: unset) while the block runs, restored after."""
     old = {k: os.environ.get(k) for k in values}
     try:
@@ -141,7 +141,7 @@ def environ(values: dict[str, str | None]):
 def deterministic_kernels(on: bool = True):
     """A context with DETERMINISTIC_KERNEL_ENV set while it runs (restored after) when ``on``; else a
     context that changes nothing."""
-    return environ(DETERMINISTIC_KERNEL_ENV) if on else contextlib.nullcontext()
+    return scoped_env(DETERMINISTIC_KERNEL_ENV) if on else contextlib.nullcontext()
 
 
 def validate_environment(environ: dict | None = None) -> None:

@@ -73,9 +73,11 @@ class LLM:
                  cache_fraction: float | None = None, max_num_tokens: int | None = None, max_num_seqs: int = 256,
                  deterministic: bool | None = None, speculative: str | None = None):
         """deterministic (default: DSA_DETERMINISTIC): pad every step to a multiple of
-        DETERMINISTIC_TOKEN_BLOCK tokens, so a request's logits are bitwise the same whatever it is
+        DETERMINISTIC_TOKEN_BLOCK tokens and run it under knobs.deterministic_kernels (the CUDA fp8
+        linear and sparse MLA unsplit), so a request's logits are bitwise the same whatever it is
         batched with on the CPU engine (the default path already gives every row the same program
-        and per-row kernels; its linears' rounding may still depend on the step's row count).
+        and per-row kernels; their rounding may still depend on the step's row count; on CUDA so
+        may cuBLAS's: docs/architecture.md §8).
 
         speculative: None (off), "mtp" or "mtp:N": draft N tokens per step (default 1) with the
         engine's MTP draft program and verify them in one target step (runtime/speculative.py); the
