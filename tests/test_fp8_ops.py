@@ -11,7 +11,6 @@ Two tiers (STYLE.md), tolerances next to each check:
 from __future__ import annotations
 
 import contextlib
-
 import math
 
 import pytest
