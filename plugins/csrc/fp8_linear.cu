@@ -22,7 +22,7 @@
 // (the prefill tile without pairs), "tma-pipe" (the prefill tile, pairs, its consumers keeping
 // the next K block's wgmmas in flight while promoting: fp8_gemm_ws.cuh kPipe), "tma-swap" or
 // "legacy" forces that GEMM at every T. DSA_FP8_LINEAR_SPLITS=N caps the K splits at N (the
-// deterministic mode sets 1: runtime/llm.py). Both read at every launch.
+// deterministic mode sets 1: runtime/knobs.py deterministic_kernels). Both read at every launch.
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
