@@ -20,12 +20,21 @@ and down, SiLU * up in fp32, index_add combine. Where this torch / cuBLASLt refu
 layout for some expert's row count, every expert falls back to bf16 matmuls on pre-dequantised
 weights (the "anchor" column says which).
 
-Usage: python benchmarks/bench_moe.py [--quick] [--iters 20] [--md out.md]
+Path: the expert GEMMs the operator's plan picks (dsa_moe_experts_path: "tma" for prefill, the
+grouped warp-specialised TMA GEMM; "legacy" the cp.async tile); where that is tma, the "legacy µs"
+column times the same inputs with DSA_MOE_GEMM_PATH=legacy in the same run (the A/B of the path).
+The anchor runs for T <= 4096 (its per-expert loop at T = 16384 takes minutes to capture).
+
+--kernels prints, after each row, the operator's kernels from the profiler (eager calls after an
+L2 flush, median of 5): where the time goes, which says what bounds a row.
+
+Usage: python benchmarks/bench_moe.py [--quick | --tokens T ...] [--iters 20] [--kernels] [--md out.md]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 
 import torch
 import torch.nn.functional as F
@@ -33,13 +42,16 @@ import torch.nn.functional as F
 from timing import time_both_us
 
 from dsa_trt.plugins import cuda_ops
+from dsa_trt.plugins.kernel_abi import KernelLibrary
 
 NUM_EXPERTS, TOP_K, D, I = 256, 8, 7168, 2048
 BLOCK = 128
 HBM_TBPS = 4.2
 FP8_TFLOPS = 1377.0
 TOKENS = [1, 8, 32, 128, 512, 4096, 16384]
-QUICK_TOKENS = [1, 32, 4096]
+QUICK_TOKENS = [1, 32, 4096, 16384]
+ANCHOR_MAX_T = 4096
+PATH_KNOB = "DSA_MOE_GEMM_PATH"
 
 
 # ---------------------------------------------------------------- counting (pure, CPU-checkable)
@@ -168,26 +180,59 @@ def random_e4m3(shape, g: torch.Generator) -> torch.Tensor:
         torch.float8_e4m3fn)
 
 
-HEADER = ("| T | experts touched | their GB | read floor µs | µs | % of floor | TB/s | TFLOP/s | anchor µs | "
-          "anchor | vs anchor |")
+HEADER = ("| T | experts touched | their GB | read floor µs | path | µs | % of floor | TB/s | TFLOP/s | legacy µs | "
+          "anchor µs | anchor | vs anchor |")
 
 
-def format_row(t: int, touched: int, us: float, anchor_us: float | None, anchor: str) -> str:
+def format_row(t: int, touched: int, path: str, us: float, legacy_us: float | None, anchor_us: float | None,
+               anchor: str) -> str:
     flops, nbytes = count_flops_and_bytes(t, touched)
     read_floor, flop_floor = floors_us(flops, nbytes)
     a = f"{anchor_us:.1f}" if anchor_us is not None else "—"
     ratio = f"{anchor_us / us:.2f}x" if anchor_us is not None else "—"
-    return (f"| {t} | {touched} | {touched * expert_bytes() / 1e9:.2f} | {read_floor:.1f} | {us:.1f} | "
+    leg = f"{legacy_us:.1f}" if legacy_us is not None else "—"
+    return (f"| {t} | {touched} | {touched * expert_bytes() / 1e9:.2f} | {read_floor:.1f} | {path} | {us:.1f} | "
             f"{100 * max(read_floor, flop_floor) / us:.1f} | {nbytes / us / 1e6:.2f} | {flops / us / 1e6:.1f} | "
-            f"{a} | {anchor} | {ratio} |")
+            f"{leg} | {a} | {anchor} | {ratio} |")
+
+
+def kernel_breakdown(fn, flush_buf, iters: int = 5) -> list[tuple[str, float]]:
+    """[(kernel name, median µs per call)] of fn's CUDA kernels, longest first (profiler, eager)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    from timing import flush_l2
+
+    fn()
+    torch.cuda.synchronize()
+    per_call: dict[str, list[float]] = {}
+    for _ in range(iters):
+        flush_l2(flush_buf)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        seen: dict[str, float] = {}
+        count: dict[str, int] = {}
+        events = sorted((e for e in prof.profiler.kineto_results.events() if e.device_type() == DeviceType.CUDA),
+                        key=lambda e: e.start_ns())
+        for e in events:  # a kernel launched twice (the two expert GEMMs) keeps its launches apart
+            n = count[e.name()] = count.get(e.name(), 0) + 1
+            seen[f"[{n}] {e.name()}"] = (e.end_ns() - e.start_ns()) / 1e3
+        for name, us in seen.items():
+            per_call.setdefault(name, []).append(us)
+    rows = [(name, sorted(v)[len(v) // 2]) for name, v in per_call.items()]
+    return sorted(rows, key=lambda r: -r[1])
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--quick", action="store_true", help=f"T in {QUICK_TOKENS} only")
+    ap.add_argument("--tokens", type=int, nargs="+", default=None, help="these T only")
     ap.add_argument("--no-anchor", action="store_true", help="skip the torch-loop anchor")
     ap.add_argument("--md", type=str, default=None)
+    ap.add_argument("--kernels", action="store_true", help="print each row's kernels (profiler)")
     args = ap.parse_args()
     try:
         cuda_ops.load("cuda")
@@ -199,29 +244,42 @@ def main() -> None:
     w2 = random_e4m3((NUM_EXPERTS, D, I), g)       # 3.8 GB
     s13 = torch.rand(NUM_EXPERTS, 2 * I // BLOCK, D // BLOCK, generator=g, device="cuda") * 1e-3 + 1e-4
     s2 = torch.rand(NUM_EXPERTS, D // BLOCK, I // BLOCK, generator=g, device="cuda") * 1e-3 + 1e-4
-    rows = [HEADER, "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
+    lib = KernelLibrary()
+    rows = [HEADER, "|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---|---:|"]
     print(HEADER, flush=True)
     notes = set()
-    for t in (QUICK_TOKENS if args.quick else TOKENS):
+    for t in args.tokens or (QUICK_TOKENS if args.quick else TOKENS):
         try:
             x = torch.randn(t, D, generator=g, device="cuda").to(torch.bfloat16)
             ids, weights = uniform_routing(t, g, "cuda")
             touched = int(torch.unique(ids).numel())
+            path = lib.moe_path(t, TOP_K, NUM_EXPERTS)
             ev, us = time_both_us(Moe(x, ids, weights, w13, s13, w2, s2), flush_buf, args.iters)
             us = us if us is not None else ev
+            legacy_us = None
+            if path.startswith("tma"):  # the A/B: the same inputs on the cp.async tile
+                os.environ[PATH_KNOB] = "legacy"
+                try:
+                    lev, legacy_us = time_both_us(Moe(x, ids, weights, w13, s13, w2, s2), flush_buf, args.iters)
+                    legacy_us = legacy_us if legacy_us is not None else lev
+                finally:
+                    os.environ.pop(PATH_KNOB)
             anchor_us, anchor = None, "skipped"
-            if not args.no_anchor:
+            if not args.no_anchor and t <= ANCHOR_MAX_T:
                 loop = TorchLoop(x, ids, weights, w13, s13, w2, s2)
                 aev, aus = time_both_us(loop, flush_buf, args.iters)
                 anchor_us, anchor = (aus if aus is not None else aev), loop.mode
                 if loop.why:
                     notes.add(f"_scaled_mm blockwise refused: {loop.why}")
                 del loop
-            row = format_row(t, touched, us, anchor_us, anchor)
+            row = format_row(t, touched, path, us, legacy_us, anchor_us, anchor)
+            if args.kernels:
+                for name, kus in kernel_breakdown(Moe(x, ids, weights, w13, s13, w2, s2), flush_buf):
+                    print(f"#   T={t} {kus:10.1f} µs  {name[:110]}", flush=True)
         except torch.OutOfMemoryError:
-            row = f"| {t} | OOM | | | | | | | | | |"
+            row = f"| {t} | OOM | | | | | | | | | | | |"
         except (RuntimeError, ValueError) as e:  # the op's refusals: NotImplementedError, ValueError
-            row = f"| {t} | UNSUPPORTED ({str(e)[:100]}) | | | | | | | | | |"
+            row = f"| {t} | UNSUPPORTED ({str(e)[:100]}) | | | | | | | | | | | |"
         torch.cuda.empty_cache()
         rows.append(row)
         print(row, flush=True)

@@ -85,3 +85,42 @@ def test_workspace_grows_with_tokens(lib, n, k):
         assert size >= prev, f"N={n} K={k}: workspace({t}) = {size} < workspace of fewer tokens {prev}"
         assert size >= t * nkb * BLOCK + t * nkb * 4, f"N={n} K={k} T={t}: no room for the quantised x"
         prev = size
+
+
+# ---------------------------------------------------------------- the MoE's expert GEMMs (moe_experts.cu)
+def test_moe_auto_paths(lib, monkeypatch):
+    """Prefill (more than 64 pairs per local expert on average) takes the grouped TMA GEMM, decode
+    the cp.async tile with BN from the pairs per expert."""
+    monkeypatch.delenv("DSA_MOE_GEMM_PATH", raising=False)
+    assert lib.moe_path(1, 8, 256) == "legacy 128x8"
+    assert lib.moe_path(32, 8, 256) == "legacy 128x8"
+    assert lib.moe_path(512, 8, 256) == "legacy 128x16"
+    assert lib.moe_path(2048, 8, 256) == "legacy 128x64"
+    assert lib.moe_path(2049, 8, 256) == "tma 128x128"
+    assert lib.moe_path(16384, 8, 256) == "tma 128x128"
+    assert lib.moe_path(129, 8, 8) == "tma 128x128"  # an EP rank's 8 experts: the pairs of all 256 bound it
+
+
+@pytest.mark.parametrize("knob,want", [("tma", "tma 128x128"), ("legacy", "legacy 128x128"), ("auto", "tma 128x128")])
+def test_moe_forced_paths(lib, monkeypatch, knob, want):
+    monkeypatch.setenv("DSA_MOE_GEMM_PATH", knob)
+    assert lib.moe_path(4096, 8, 16) == want
+    if knob == "tma":
+        assert lib.moe_path(1, 8, 256) == "tma 128x128"
+
+
+def test_moe_bad_knob_is_named(lib, monkeypatch):
+    monkeypatch.setenv("DSA_MOE_GEMM_PATH", "fastest")
+    assert lib.moe_path(1, 8, 256) == "invalid DSA_MOE_GEMM_PATH"
+
+
+@pytest.mark.parametrize("e_local,d,i", [(256, 7168, 2048), (8, 7168, 2048), (16, 256, 128), (12, 384, 256)])
+def test_moe_workspace_grows_with_tokens(lib, e_local, d, i):
+    """The workspace of the largest T holds every smaller T's, whichever path either takes."""
+    prev = 0
+    for t in [0, 1, 2, 7, 8, 9, 31, 64, 65, 129, 511, 2048, 2049, 4096, 16384]:
+        size = lib.dll.dsa_moe_experts_workspace_size(t, 8, e_local, d, i, 0)
+        assert size >= prev, f"E={e_local} D={d} I={i}: workspace({t}) = {size} < workspace of fewer tokens {prev}"
+        # the tma path's per-position x alone: P rows of ceil(D / 128) blocks
+        assert size >= t * 8 * (-(-d // BLOCK)) * BLOCK
+        prev = size

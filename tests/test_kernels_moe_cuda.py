@@ -379,11 +379,19 @@ def moe_case(lib, m: Moe, case: str):
     return got
 
 
+@pytest.fixture(params=["legacy", "tma"])
+def gemm_path(request, monkeypatch):
+    """Both expert GEMMs at every size (DSA_MOE_GEMM_PATH; auto takes tma above 64 pairs per expert):
+    the pairwise oracle of a case runs under the same path."""
+    monkeypatch.setenv("DSA_MOE_GEMM_PATH", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("t", [1, 3, 7, 8, 9, 63, 64, 65, 129, 4096])
-def test_moe_tokens(lib, t):
+def test_moe_tokens(lib, gemm_path, t):
     # all experts local; the token counts cross the tile widths (P / E_local picks BN); 4096: BN = 128
     m = make_moe(100 + t, t, 4, 16, 16, 0, 256, 128, pow2=t % 2 == 1)
-    moe_case(lib, m, f"moe T={t} k=4 E=16/16 D=256 I=128")
+    moe_case(lib, m, f"moe T={t} k=4 E=16/16 D=256 I=128 {lib.moe_path(t, 4, 16)}")
 
 
 @pytest.mark.parametrize("pow2", [True, False])
@@ -395,18 +403,34 @@ def test_moe_tokens(lib, t):
     (50, 5, 24, 12, 12, 384, 256, "invalid"),   # -1 and >= num_experts ids skipped
     (4096, 8, 64, 16, 16, 512, 256, "uniform"),  # prefill: BN = 128 tiles, many per expert
 ])
-def test_moe_routing(lib, pow2, t, k, num_experts, e_local, offset, d, i, routing):
+def test_moe_routing(lib, gemm_path, pow2, t, k, num_experts, e_local, offset, d, i, routing):
     m = make_moe(t + k + d, t, k, num_experts, e_local, offset, d, i, pow2, routing=routing)
-    moe_case(lib, m, f"moe T={t} k={k} E={e_local}/{num_experts}@{offset} D={d} I={i} {routing} pow2={pow2}")
+    moe_case(lib, m, f"moe T={t} k={k} E={e_local}/{num_experts}@{offset} D={d} I={i} {routing} pow2={pow2} "
+             f"{lib.moe_path(t, k, e_local)}")
 
 
 @pytest.mark.parametrize("t", [1, 32, 129])
-def test_moe_real_dims(lib, t):
+def test_moe_real_dims(lib, gemm_path, t):
     # V3.2's expert shapes (D 7168, I 2048, 256 experts, top-8); 8 of them on this "rank"
     m = make_moe(7 + t, t, 8, 256, 8, 64, 7168, 2048, pow2=True)
     m.ids[:, 0] = 64 + torch.arange(t, device=DEV, dtype=torch.int32) % 8  # at least one local pair per token
     m.ids[:, 1:] = torch.where(m.ids[:, 1:] == m.ids[:, :1], (m.ids[:, 1:] + 100) % 256, m.ids[:, 1:])
-    moe_case(lib, m, f"moe real dims T={t}")
+    moe_case(lib, m, f"moe real dims T={t} {lib.moe_path(t, 8, 8)}")
+
+
+@pytest.mark.parametrize("t,e_local,d,i", [(1, 16, 256, 128), (65, 16, 384, 256), (700, 32, 256, 128),
+                                           (129, 8, 7168, 2048)])
+def test_moe_paths_agree_bitwise(lib, monkeypatch, t, e_local, d, i):
+    """Both GEMMs sum each row in the same order (K blocks in order, one fp32 promotion per block):
+    a row's bits do not depend on which path the step's size picks."""
+    m = make_moe(40 + t, t, 8, 64, e_local, 8, d, i, pow2=t % 2 == 0)
+    monkeypatch.setenv("DSA_MOE_GEMM_PATH", "legacy")
+    a = run_moe(lib, m)
+    monkeypatch.setenv("DSA_MOE_GEMM_PATH", "tma")
+    b = run_moe(lib, m)
+    diff = (a - b).abs()
+    assert torch.equal(a.view(torch.int32), b.view(torch.int32)), (
+        f"T={t} E={e_local} D={d} I={i}: {int((diff > 0).sum())} elements differ, max {diff.max().item():.3g}")
 
 
 @pytest.mark.parametrize("t", [1, 9, 65])
@@ -428,8 +452,12 @@ def test_moe_zero_tokens(lib):
     assert run_moe(lib, m).shape == (0, 128)
 
 
-def test_moe_bad_input(lib):
+def test_moe_bad_input(lib, monkeypatch):
     m = make_moe(8, 4, 2, 16, 8, 0, 256, 128, pow2=True)
+    monkeypatch.setenv("DSA_MOE_GEMM_PATH", "fastest")
+    assert run_moe(lib, m, status_only=True) == ERR_INVALID_ARG
+    assert "DSA_MOE_GEMM_PATH=fastest" in lib.error(), lib.error()
+    monkeypatch.delenv("DSA_MOE_GEMM_PATH")
     assert run_moe(lib, m, status_only=True, expert_offset=9) == ERR_INVALID_ARG
     assert "expert_offset=9" in lib.error(), lib.error()
     assert run_moe(lib, m, status_only=True, top_k=33) == ERR_INVALID_ARG

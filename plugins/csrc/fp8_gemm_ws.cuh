@@ -23,7 +23,7 @@
 // producer runs ahead into the next unit while the consumers finish the last, so the ring never
 // drains between units.
 //
-// Ring: kStages stages of [weight tile 128 x 128 B | token tile BT x 128 B | BT token scales],
+// Ring: kStages stages of [weight tile 128 x 128 B | token tile BT x 128 B | s_box token scales],
 // both tiles K-major with the 128-byte swizzle that the wgmma descriptors read (TMA writes that
 // pattern: SWIZZLE_128B, 1024-aligned), scales fp32 from the transposed scale matrix
 // s_x^T [nkb, T]. TMA zero-fills everything outside the tensors: weight rows past N, tokens past
@@ -58,6 +58,14 @@
 //
 // Epilogue: bf16 through shared memory (16-byte row-segment stores), or fp32 partials of a K
 // split straight from registers (the reduce kernel sums them in split order: deterministic).
+//
+// Grouped (the MoE's expert GEMMs, moe_experts.cu; prefill tile, no pairs, one split): the weight
+// map is every local expert's [N, K] stacked ([E N, K]), the token map the expert-sorted rows.
+// Unit u is weight tile u % w_tiles of the expert of token tile u / w_tiles of the tile table
+// (moe_prep: rows [tile_start[t], min(+128, expert_offsets[e + 1])) of expert e = tile_expert[t]);
+// *num_tiles tiles exist, a count on the device, read by every CTA at its start. A token tile may
+// load rows of the next expert (or unwritten rows past the routed ones): each output row depends
+// only on its own token row, and the epilogue stores rows < the tile's end only.
 #pragma once
 
 #include <cuda.h>  // CUtensorMap (a by-value kernel parameter; the driver is reached via the runtime)
@@ -91,6 +99,18 @@ struct WsArgs {
   int w_tiles, t_tiles, splits, kb_per_split;
   int t_groups;              // ceil(t_tiles / kMc): token tiles of a cluster's unit
   int vec_store;             // 1: bf16 out rows are 16-byte aligned (out 16-aligned, out_stride % 8 == 0)
+  // grouped (NULL tile_expert: the linear): the tile table of moe_prep, the weight rows of one
+  // expert in the weight map (N) and the floats of one expert's weight scales
+  const int32_t* tile_expert;
+  const int32_t* tile_start;
+  const int32_t* expert_offsets;
+  const int32_t* num_tiles;
+  int w_expert_rows;
+  int64_t ws_expert_stride;
+  // floats in the scale box: BT, or BT + 4 where token tiles start anywhere (grouped): a TMA box's
+  // innermost start must be 16-byte aligned (else the copy faults with an illegal instruction),
+  // so the box starts at t_load rounded down to 4 and the consumers read it from t_load % 4 on
+  int s_box;
 };
 
 template <bool kSwap, int BT>
@@ -100,7 +120,7 @@ struct WsTile {
   static constexpr int kX = BT * kBlock;      // token tile bytes (a multiple of 1024)
   static constexpr int kS = 1024;             // BT scales, padded so stages stay 1024-aligned
   static constexpr int kStage = kW + kX + kS;
-  static constexpr uint32_t kTxBytes = kW + kX + BT * 4;  // what TMA writes per stage (boxes, OOB included)
+  static constexpr uint32_t kTxBytes = kW + kX;  // what TMA writes per stage (boxes, OOB included) + the scale box
   static constexpr int kAcc = (kSwap ? BT : kTileM) / 2;  // fp32 accumulators per consumer thread
   // bf16 staging: kSwap, [BT tokens][128 weight rows + pad] (transposed); else per consumer
   // warpgroup [64 tokens][128 weight rows + pad]
@@ -111,7 +131,7 @@ struct WsTile {
   static constexpr int kStages = kSwap ? (220 * 1024 - kEpi) / kStage : 5;
   static constexpr int kBars = 2 * kStages * 8;
   static constexpr int kSmem = kStages * kStage + kEpi + kBars + 1024;  // + alignment slack
-  static_assert(BT * 4 <= kS, "scales must fit their slot");
+  static_assert((BT + 4) * 4 <= kS, "scales must fit their slot");
   static_assert(kSmem <= 227 * 1024, "shared memory budget of an sm_90 CTA");
 };
 
@@ -182,25 +202,47 @@ __device__ __forceinline__ void tma_prefetch_desc(const CUtensorMap* map) {
 }
 
 // ---------------------------------------------------------------- work units
-// A cluster's unit: weight tile w_tile, token tiles [kMc t_group, +kMc) (CTA rank r takes
-// kMc t_group + r: t_tile; one past the last token tile loads the last again (t_load) and stores
-// nothing), K blocks [kb_begin, kb_end).
+// A cluster's unit: weight tile w_tile (its first row w_row in the weight map, its scales ws),
+// token rows [t_row, t_end) of the output (t_load: the first row this CTA loads), K blocks
+// [kb_begin, kb_end). The linear: token tiles [kMc t_group, +kMc) (CTA rank r takes
+// kMc t_group + r; one past the last token tile loads the last again and stores nothing).
 struct Unit {
-  int w_tile, t_tile, t_load, kb_begin, kb_end;
+  int w_tile, w_row, t_load, kb_begin, kb_end;
+  int64_t t_row, t_end;
+  const float* ws;
 };
-template <int kMc>
+// Units of the grid: the linear's static count, or the grouped GEMM's from the device.
+__device__ __forceinline__ int units_of(const WsArgs& g) {
+  return g.tile_expert != nullptr ? *g.num_tiles * g.w_tiles : g.w_tiles * g.t_groups * g.splits;
+}
+template <int BT, int kMc>
 __device__ __forceinline__ Unit unit_of(const WsArgs& g, int u, int rank) {
+  Unit r;
+  if (g.tile_expert != nullptr) {  // grouped: kMc = 1, one split (the host's launch checks)
+    const int tile = u / g.w_tiles, e = g.tile_expert[tile];
+    r.w_tile = u % g.w_tiles;
+    r.w_row = e * g.w_expert_rows + r.w_tile * kTileM;
+    r.t_row = r.t_load = g.tile_start[tile];
+    r.t_end = min(r.t_row + BT, static_cast<int64_t>(g.expert_offsets[e + 1]));
+    r.kb_begin = 0;
+    r.kb_end = g.nkb;
+    r.ws = g.w_scale + e * g.ws_expert_stride + static_cast<int64_t>(r.w_tile) * g.nkb;
+    return r;
+  }
   const int split = u % g.splits, v = u / g.splits;
   const int per_group = kGroupW * g.t_groups;
   const int first_w = (v / per_group) * kGroupW;
   const int gsize = min(g.w_tiles - first_w, kGroupW);
   const int in_group = v % per_group;
-  Unit r;
   r.w_tile = first_w + in_group % gsize;
-  r.t_tile = (in_group / gsize) * kMc + rank;
-  r.t_load = min(r.t_tile, g.t_tiles - 1);
+  r.w_row = r.w_tile * kTileM;
+  const int t_tile = (in_group / gsize) * kMc + rank;
+  r.t_row = static_cast<int64_t>(t_tile) * BT;  // >= rows for a CTA past the last tile
+  r.t_load = min(t_tile, g.t_tiles - 1) * BT;
+  r.t_end = g.rows;
   r.kb_begin = split * g.kb_per_split;
   r.kb_end = min(g.nkb, r.kb_begin + g.kb_per_split);
+  r.ws = g.w_scale + static_cast<int64_t>(r.w_tile) * g.nkb;
   return r;
 }
 
@@ -220,38 +262,38 @@ __device__ __forceinline__ void producer(const WsArgs& g, const CUtensorMap* map
   tma_prefetch_desc(map_s);
   constexpr int kWRows = kTileM / kMc;  // weight rows this CTA loads per stage
   const uint32_t w_off = rank * kWRows * kBlock;
-  auto load_w = [&](uint32_t st, uint32_t full, int kb, int w_tile) {
+  auto load_w = [&](uint32_t st, uint32_t full, int kb, int w_row) {
     if constexpr (kMc == 1)
-      tma_load_2d(st, map_w, full, kb * kBlock, w_tile * kTileM);
+      tma_load_2d(st, map_w, full, kb * kBlock, w_row);
     else  // a half past N (N <= 64 in the last tile) reads row N - 1 instead: no box starts out of
           // bounds; the rows it fills belong to outputs past N, which are never stored
-      tma_load_2d_multicast(st + w_off, map_w, full, kb * kBlock, min(w_tile * kTileM + rank * kWRows, g.n - 1),
+      tma_load_2d_multicast(st + w_off, map_w, full, kb * kBlock, min(w_row + rank * kWRows, g.n - 1),
                             static_cast<uint16_t>((1u << kMc) - 1));
   };
   // Weight tiles of the first S iterations (every stage starts empty), before the activations exist.
   // (The expect_tx covers the whole stage: a peer's multicast may land before or after it.)
   int pre = 0;
   for (int u = cluster; u < units && pre < S; u += clusters) {
-    const Unit w = unit_of<kMc>(g, u, rank);
+    const Unit w = unit_of<BT, kMc>(g, u, rank);
     for (int kb = w.kb_begin; kb < w.kb_end && pre < S; ++kb, ++pre) {
-      mbar_arrive_expect_tx(full0 + 8 * pre, L::kTxBytes);
-      load_w(base + pre * L::kStage, full0 + 8 * pre, kb, w.w_tile);
+      mbar_arrive_expect_tx(full0 + 8 * pre, L::kTxBytes + 4 * g.s_box);
+      load_w(base + pre * L::kStage, full0 + 8 * pre, kb, w.w_row);
     }
   }
   dsa_pdl_wait();  // the quantised activations and their scales are written
   int i = 0, s = 0;
   uint32_t phase = 0;
   for (int u = cluster; u < units; u += clusters) {
-    const Unit w = unit_of<kMc>(g, u, rank);
+    const Unit w = unit_of<BT, kMc>(g, u, rank);
     for (int kb = w.kb_begin; kb < w.kb_end; ++kb, ++i) {
       const uint32_t full = full0 + 8 * s, st = base + s * L::kStage;
       if (i >= pre) {
         mbar_wait(empty0 + 8 * s, phase ^ 1);
-        mbar_arrive_expect_tx(full, L::kTxBytes);
-        load_w(st, full, kb, w.w_tile);
+        mbar_arrive_expect_tx(full, L::kTxBytes + 4 * g.s_box);
+        load_w(st, full, kb, w.w_row);
       }
-      tma_load_2d(st + L::kW, map_x, full, kb * kBlock, w.t_load * BT);
-      tma_load_2d(st + L::kW + L::kX, map_s, full, w.t_load * BT, kb);
+      tma_load_2d(st + L::kW, map_x, full, kb * kBlock, w.t_load);
+      tma_load_2d(st + L::kW + L::kX, map_s, full, w.t_load & ~3, kb);
       if (++s == S) {
         s = 0;
         phase ^= 1;
@@ -291,8 +333,9 @@ __device__ __forceinline__ void consumer(const WsArgs& g, uint8_t* smem, uint32_
     }
   };
   for (int u = cluster; u < units; u += clusters) {
-    const Unit w = unit_of<kMc>(g, u, rank);
-    const float* ws = g.w_scale + static_cast<int64_t>(w.w_tile) * g.nkb;
+    const Unit w = unit_of<BT, kMc>(g, u, rank);
+    const float* ws = w.ws;
+    const int s_off = w.t_load & 3;  // where this tile's scales start in the stage's scale box
     float total[R], acc[R];
 #pragma unroll
     for (int j = 0; j < R; ++j) total[j] = 0.f;
@@ -317,7 +360,7 @@ __device__ __forceinline__ void consumer(const WsArgs& g, uint8_t* smem, uint32_
       auto promote = [&](float(&a)[R], float sw, int stage) {
 #pragma unroll
         for (int j = 0; j < R; ++j) dsa_fp8::fence_operand(a[j]);
-        const float* sx = reinterpret_cast<const float*>(smem + stage * L::kStage + L::kW + L::kX);
+        const float* sx = reinterpret_cast<const float*>(smem + stage * L::kStage + L::kW + L::kX) + s_off;
         const float s0 = sw * sx[r_lo], s1 = sw * sx[r_lo + 8];
         release(stage);
         dsa_fp8::promote_by_row(total, a, s0, s1);
@@ -375,7 +418,7 @@ __device__ __forceinline__ void consumer(const WsArgs& g, uint8_t* smem, uint32_
       dsa_wgmma::wgmma_wait<0>();
 #pragma unroll
       for (int j = 0; j < R; ++j) dsa_fp8::fence_operand(acc[j]);
-      const float* sx = reinterpret_cast<const float*>(st + L::kW + L::kX);
+      const float* sx = reinterpret_cast<const float*>(st + L::kW + L::kX) + s_off;
       // acc[4j + {0,1}]: row r_lo, columns 8j + 2 quad + {0,1}; acc[4j + {2,3}]: row r_lo + 8
       if constexpr (kSwap) {
         float2 s2[BT / 8];
@@ -396,8 +439,8 @@ __device__ __forceinline__ void consumer(const WsArgs& g, uint8_t* smem, uint32_
     }
 
     // ------------------------------------------------ epilogue
-    const int n0 = w.w_tile * kTileM;
-    const int64_t t0 = static_cast<int64_t>(w.t_tile) * BT;  // >= rows for a CTA past the last tile
+    const int n0 = w.w_tile * kTileM;  // output columns of the tile (of its expert)
+    const int64_t t0 = w.t_row, t_end = w.t_end;
     if constexpr (kF32Out) {
       // partial slab of this split: [rows][part_stride] fp32, columns past N land in the padding
       float* part = static_cast<float*>(g.out) + static_cast<int64_t>(w.kb_begin / g.kb_per_split) *
@@ -412,12 +455,12 @@ __device__ __forceinline__ void consumer(const WsArgs& g, uint8_t* smem, uint32_
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
               const int64_t t = t0 + col + e;
-              if (t < g.rows && n < g.out_stride) part[t * g.out_stride + n] = total[4 * j + 2 * h + e];
+              if (t < t_end && n < g.out_stride) part[t * g.out_stride + n] = total[4 * j + 2 * h + e];
             }
           } else {  // row: token, col: weight row
             const int64_t t = t0 + row;
             const int n = n0 + col;
-            if (t < g.rows && n < g.out_stride)
+            if (t < t_end && n < g.out_stride)
               *reinterpret_cast<float2*>(part + t * g.out_stride + n) =
                   make_float2(total[4 * j + 2 * h], total[4 * j + 2 * h + 1]);
           }
@@ -451,7 +494,7 @@ __device__ __forceinline__ void consumer(const WsArgs& g, uint8_t* smem, uint32_
       for (int v = first; v < kRows * (kTileM / 8); v += step) {
         const int r = v / (kTileM / 8), n = n0 + (v % (kTileM / 8)) * 8;
         const int64_t t = row0 + r;
-        if (t >= g.rows || n >= g.n) continue;
+        if (t >= t_end || n >= g.n) continue;
         const uint16_t* src = tile + r * kOutRow + (n - n0);
         uint16_t* dst = out + t * g.out_stride + n;
         if (g.vec_store && n + 8 <= g.n) {
@@ -475,7 +518,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint8_t* smem = dsa_fp8::align_smem_1024(smem_raw);
   const uint32_t full0 = smem_u32(smem + L::kStages * L::kStage + L::kEpi);
   const uint32_t empty0 = full0 + 8 * L::kStages;
-  const int units = g.w_tiles * g.t_groups * g.splits;
+  const int units = units_of(g);
   // clusters of kMc CTAs along x (kMc = 1: every CTA is its own)
   const int rank = kMc == 1 ? 0 : static_cast<int>(cluster_ctarank());
   const int cluster = blockIdx.x / kMc, clusters = gridDim.x / kMc;
@@ -526,13 +569,14 @@ static inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
 }
 
 // Row-major [outer, inner] tensor of `elem_bytes` elements, rows `row_bytes` apart (a multiple of
-// 16), boxes of [box_outer, box_inner]; out-of-bounds elements read as zero.
+// 16), boxes of [box_outer, box_inner]; out-of-bounds elements read as zero. `what`: "op: tensor",
+// the errors' prefix.
 static inline int encode_tensor_map_2d(CUtensorMap* map, const void* base, CUtensorMapDataType type, int elem_bytes,
                                        uint64_t inner, uint64_t outer, uint64_t row_bytes, uint32_t box_inner,
                                        uint32_t box_outer, CUtensorMapSwizzle swizzle, const char* what) {
   const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
   DSA_CHECK_SUPPORTED(encode != nullptr,
-                      "fp8_block_linear: the CUDA driver has no cuTensorMapEncodeTiled (TMA needs driver >= 12.0)");
+                      "%s: the CUDA driver has no cuTensorMapEncodeTiled (TMA needs driver >= 12.0)", what);
   (void)elem_bytes;
   const cuuint64_t dims[2] = {inner, outer};
   const cuuint64_t strides[1] = {row_bytes};
@@ -542,7 +586,7 @@ static inline int encode_tensor_map_2d(CUtensorMap* map, const void* base, CUten
                             CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                             CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   DSA_CHECK_SUPPORTED(r == CUDA_SUCCESS,
-                      "fp8_block_linear: cuTensorMapEncodeTiled(%s: %llu x %llu, row %llu bytes, box %u x %u) failed "
+                      "%s: cuTensorMapEncodeTiled(%llu x %llu, row %llu bytes, box %u x %u) failed "
                       "(CUresult %d)",
                       what, (unsigned long long)outer, (unsigned long long)inner, (unsigned long long)row_bytes,
                       box_outer, box_inner, (int)r);

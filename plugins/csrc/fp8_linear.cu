@@ -354,14 +354,14 @@ static int tma_gemm(const DsaFp8BlockLinearParams* p, const LinearPlan& plan, co
   const int bt = plan.bt;
   CUtensorMap mw, mx, ms;
   int st = encode_tensor_map_2d(&mw, p->weight, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, p->k, p->n, p->k, kBlock,
-                                kTileM / plan.mc, CU_TENSOR_MAP_SWIZZLE_128B, "weight");
+                                kTileM / plan.mc, CU_TENSOR_MAP_SWIZZLE_128B, "fp8_block_linear: weight");
   if (st != DSA_OK) return st;
   st = encode_tensor_map_2d(&mx, q, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, static_cast<uint64_t>(plan.nkb) * kBlock, t,
                             static_cast<uint64_t>(plan.nkb) * kBlock, kBlock, bt, CU_TENSOR_MAP_SWIZZLE_128B,
-                            "quantised x");
+                            "fp8_block_linear: quantised x");
   if (st != DSA_OK) return st;
   st = encode_tensor_map_2d(&ms, sx, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, t, plan.nkb, plan.t_pad * 4, bt, 1,
-                            CU_TENSOR_MAP_SWIZZLE_NONE, "x scales");
+                            CU_TENSOR_MAP_SWIZZLE_NONE, "fp8_block_linear: x scales");
   if (st != DSA_OK) return st;
 
   WsArgs g{};
@@ -374,6 +374,7 @@ static int tma_gemm(const DsaFp8BlockLinearParams* p, const LinearPlan& plan, co
   g.t_groups = plan.t_groups;
   g.splits = plan.splits;
   g.kb_per_split = plan.kb_per_split;
+  g.s_box = bt;  // token tiles start at multiples of bt (>= 8): the scale box is aligned
   const bool split = plan.splits > 1;
   if (split) {
     g.out = part;

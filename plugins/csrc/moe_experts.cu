@@ -6,20 +6,31 @@
 //      (stable: pair order within an expert), pair -> position map, and the tile table of the
 //      grouped GEMMs (tiles of BN positions of one expert; their count is on the device).
 //   2. act_quant of x, once per token (fp8_linear.cu's numerics, here per 128 columns of D).
-//   3. grouped GEMM 1 (fp8_gemm.cuh) over (128 rows of w13_e) x (tiles): x rows gathered through
-//      the sorted pair list -> gate|up bf16 [P, 2I]. Grid: the static bound
-//      sum_e ceil(P_e / BN) <= ceil(P / BN) + E_local tiles; CTAs past the real count exit.
+//   3. grouped GEMM 1 over (128 rows of w13_e) x (tiles) -> gate|up bf16 [P, 2I], one of
+//      - "tma" (prefill: more than 64 pairs per local expert on average, or DSA_MOE_GEMM_PATH=tma):
+//        fp8_gemm_ws.cuh's warp-specialised TMA GEMM, grouped (128 positions x 128 weight rows per
+//        unit, a persistent grid over the units of the device's tile count). TMA cannot gather
+//        rows, so step 2 writes x quantised per position, in the sorted order (P rows, not T);
+//      - "legacy" (decode): fp8_gemm.cuh's cp.async swap-AB tile, BN = 8..128 positions per
+//        tile, x rows gathered through the sorted pair list. Grid: the static bound
+//        sum_e ceil(P_e / BN) <= ceil(P / BN) + E_local tiles; CTAs past the real count exit.
 //   4. swiglu_quant: h = bf16(silu(gate) * up) in fp32, act_quant per 128 columns -> e4m3 + scales.
-//   5. grouped GEMM 2 (down) -> y bf16 [P, D].
+//   5. grouped GEMM 2 (down, the same path) -> y bf16 [P, D].
 //   6. combine: out[t] = sum_j w[t, j] * y[pos(t, j)] in fp32, in ascending expert order (the
 //      reference's; deterministic, no atomics); tokens without a local pair get 0.
+// Both paths compute every row's sums in the same order (K blocks in order, one wgmma k128 per
+// block, the same promotion), so a row's bits do not depend on the path or on the other rows.
 // bf16 weights (the exact-comparison mode) take steps 1, 3', 4 (bf16 h), 5', 6 with 3'/5' a plain
 // CUDA-core warp-per-output GEMM: correct, not fast.
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
 #include <algorithm>
 
 #include <cub/block/block_scan.cuh>
 
-#include "fp8_gemm.cuh"
+#include "fp8_gemm_ws.cuh"
 
 namespace dsa_moe {
 
@@ -124,6 +135,28 @@ __global__ void __launch_bounds__(256) moe_act_quant_kernel(const uint16_t* __re
   quant_group_store(v, pow2 != 0, q + t * nkb * kBlock + kb * kBlock, scale + t * nkb + kb, lane);
 }
 
+// ---------------------------------------------------------------- 2'. gather + act_quant (tma path)
+// One warp per (position q < *total, 128 columns of D): x[sorted_token[q]] quantised into row q of
+// q_out, its scale at scale[kb * p_pad + q] (transposed: a tile's scales of one K block are one
+// TMA box). Positions past the routed count are left unwritten (their output rows are not stored).
+__global__ void __launch_bounds__(256) moe_gather_quant_kernel(const uint16_t* __restrict__ x, int64_t num_pos,
+                                                                const int32_t* total, const int32_t* sorted_token,
+                                                                int d, int nkb, uint8_t* __restrict__ q,
+                                                                float* __restrict__ scale, int64_t p_pad, int pow2,
+                                                                int vec) {
+  const int64_t gw = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+  const int lane = threadIdx.x & 31;
+  if (gw >= num_pos * nkb) return;  // warp-uniform
+  const int64_t pos = gw / nkb;
+  const int kb = static_cast<int>(gw % nkb);
+  if (pos >= *total) return;
+  const int64_t t = sorted_token[pos];
+  const int k0 = kb * kBlock + 4 * lane;
+  float v[4];
+  load_bf16x4(x + t * d + k0, d - k0, vec != 0, v);
+  quant_group_store(v, pow2 != 0, q + pos * nkb * kBlock + kb * kBlock, scale + kb * p_pad + pos, lane);
+}
+
 // ---------------------------------------------------------------- 3 / 5. grouped fp8 GEMM
 template <int BN>
 __global__ void __launch_bounds__(kThreads, kCtasPerSm<BN>) moe_gemm_kernel(const GemmArgs g) {
@@ -158,11 +191,13 @@ __global__ void __launch_bounds__(256) moe_bf16_gemm_kernel(const uint16_t* __re
 
 // ---------------------------------------------------------------- 4. swiglu + act_quant
 // One warp per (position, 128 columns of I). h = bf16(silu(g) * u) from the bf16 gate/up (the
-// reference casts the fp32 product to bf16 before the down linear); then the 1x128 quantiser, or
-// (bf16 weights) h stored as is.
+// reference casts the fp32 product to bf16 before the down linear); then the 1x128 quantiser, its
+// scale at sh[q * st_q + kb * st_kb] ([P, nkb] for the legacy GEMM, [nkb, p_pad] for the TMA one),
+// or (bf16 weights) h stored as is.
 __global__ void __launch_bounds__(256) moe_swiglu_kernel(const uint16_t* __restrict__ gu, int64_t num_pos,
                                                           const int32_t* total, int inter, int nkb,
                                                           uint8_t* __restrict__ qh, float* __restrict__ sh,
+                                                          int64_t st_q, int64_t st_kb,
                                                           uint16_t* __restrict__ h_bf16, int pow2, int vec) {
   const int64_t gw = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
   const int lane = threadIdx.x & 31;
@@ -180,7 +215,7 @@ __global__ void __launch_bounds__(256) moe_swiglu_kernel(const uint16_t* __restr
     v[e] = i0 + e < inter ? bf16_bits_to_float(float_to_bf16_bits(__fmul_rn(silu, u4[e]))) : 0.f;
     if (h_bf16 && i0 + e < inter) h_bf16[q * inter + i0 + e] = float_to_bf16_bits(v[e]);
   }
-  if (!h_bf16) quant_group_store(v, pow2 != 0, qh + q * nkb * kBlock + kb * kBlock, sh + q * nkb + kb, lane);
+  if (!h_bf16) quant_group_store(v, pow2 != 0, qh + q * nkb * kBlock + kb * kBlock, sh + q * st_q + kb * st_kb, lane);
 }
 
 // ---------------------------------------------------------------- 6. combine
@@ -244,11 +279,14 @@ __global__ void __launch_bounds__(256) moe_combine_kernel(const uint16_t* __rest
 }
 
 // ---------------------------------------------------------------- plan and workspace
+enum class GemmPath { kAuto, kTma, kLegacy };
+
 struct MoePlan {
-  int64_t pairs;
+  int64_t pairs, p_pad;  // P, and P rounded up to 4 (the transposed scales' 16-byte rows)
   int nkb_d, nkb_i, bn, max_tiles;
-  size_t off_qx, off_sx, off_gu, off_qh, off_sh, off_y, off_sorted_token, off_sorted_expert, off_pair_pos,
-      off_offsets, off_tile_expert, off_tile_start, total;
+  bool tma;              // the expert GEMMs on fp8_gemm_ws.cuh (bn = 128)
+  size_t off_qx, off_sx, off_qxs, off_sxs, off_gu, off_qh, off_sh, off_y, off_sorted_token, off_sorted_expert,
+      off_pair_pos, off_offsets, off_tile_expert, off_tile_start, total;
 };
 
 static size_t align256(size_t b) { return (b + 255) & ~static_cast<size_t>(255); }
@@ -261,17 +299,23 @@ static int pick_bn(int64_t avg_pairs) {
   return 128;
 }
 
-static MoePlan plan_moe(int64_t t, int top_k, int num_local, int d, int inter, int fmt) {
+// The path and tile width depend on (T, top_k, E_local) and DSA_MOE_GEMM_PATH only; the
+// workspace reserves what either path needs, so its size is known without a device.
+static MoePlan plan_moe(int64_t t, int top_k, int num_local, int d, int inter, int fmt,
+                        GemmPath forced = GemmPath::kAuto) {
   MoePlan p{};
   t = std::max<int64_t>(t, 0);
   const int64_t e = std::max(num_local, 1);
   p.pairs = t * std::max(top_k, 0);
+  p.p_pad = (p.pairs + 3) / 4 * 4;
   p.nkb_d = static_cast<int>(dsa_ceil_div(std::max(d, 1), kBlock));
   p.nkb_i = static_cast<int>(dsa_ceil_div(std::max(inter, 1), kBlock));
   p.bn = pick_bn(dsa_ceil_div(p.pairs, e));
+  const bool fp8 = fmt == DSA_MOE_FP8_BLOCK;
+  p.tma = fp8 && (forced == GemmPath::kTma || (forced == GemmPath::kAuto && p.bn == kTileM));
+  if (p.tma) p.bn = kTileM;
   p.max_tiles = static_cast<int>(dsa_ceil_div(p.pairs, p.bn) + e);
   const size_t P = static_cast<size_t>(p.pairs), D = std::max(d, 0), I = std::max(inter, 0);
-  const bool fp8 = fmt == DSA_MOE_FP8_BLOCK;
   size_t o = 0;
   auto take = [&](size_t bytes) {
     const size_t at = o;
@@ -280,9 +324,11 @@ static MoePlan plan_moe(int64_t t, int top_k, int num_local, int d, int inter, i
   };
   p.off_qx = take(fp8 ? static_cast<size_t>(t) * p.nkb_d * kBlock : 0);
   p.off_sx = take(fp8 ? static_cast<size_t>(t) * p.nkb_d * 4 : 0);
+  p.off_qxs = take(fp8 ? P * p.nkb_d * kBlock : 0);  // the tma path's per-position x, and its scales
+  p.off_sxs = take(fp8 ? static_cast<size_t>(p.p_pad) * p.nkb_d * 4 : 0);
   p.off_gu = take(P * 2 * I * 2);
   p.off_qh = take(fp8 ? P * p.nkb_i * kBlock : P * I * 2);
-  p.off_sh = take(fp8 ? P * p.nkb_i * 4 : 0);
+  p.off_sh = take(fp8 ? static_cast<size_t>(p.p_pad) * p.nkb_i * 4 : 0);
   p.off_y = take(P * D * 2);
   p.off_sorted_token = take(P * 4);
   p.off_sorted_expert = take(P * 4);
@@ -306,6 +352,78 @@ static int launch_grouped(const GemmArgs& g, int max_tiles, cudaStream_t stream)
   return DSA_OK;
 }
 
+// DSA_MOE_GEMM_PATH -> the forced path; DSA_ERR_INVALID_ARG for a value it does not know.
+static int forced_path(GemmPath* out) {
+  const char* e = getenv("DSA_MOE_GEMM_PATH");
+  *out = GemmPath::kAuto;
+  if (e == nullptr || *e == '\0' || strcmp(e, "auto") == 0) return DSA_OK;
+  if (strcmp(e, "tma") == 0) *out = GemmPath::kTma;
+  else if (strcmp(e, "legacy") == 0) *out = GemmPath::kLegacy;
+  else
+    return dsa_set_error(DSA_ERR_INVALID_ARG, "moe_experts: DSA_MOE_GEMM_PATH=%s unknown (auto, tma, legacy)", e);
+  return DSA_OK;
+}
+
+// The grouped TMA GEMM: out[q, n] over the positions q of the tile table (128 per tile) and the
+// n < N rows of their expert's weight (w: [E_local N, K] e4m3, ws: [E_local][ceil(N/128), nkb]);
+// a: [P, nkb 128] e4m3 positions, as: their scales [nkb, p_pad].
+static int launch_grouped_tma(const uint8_t* w, const float* ws, int e_local, int n, int k, const uint8_t* a,
+                              const float* as, int64_t pairs, int64_t p_pad, uint16_t* out, const MoePlan& plan,
+                              const int32_t* tile_expert, const int32_t* tile_start, const int32_t* offsets,
+                              const int32_t* num_tiles, cudaStream_t stream) {
+  using namespace dsa_fp8_ws;
+  const int nkb = static_cast<int>(dsa_ceil_div(k, kBlock));
+  CUtensorMap mw, mx, ms;
+  int st = encode_tensor_map_2d(&mw, w, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, k, static_cast<uint64_t>(e_local) * n, k,
+                                kBlock, kTileM, CU_TENSOR_MAP_SWIZZLE_128B, "moe_experts: expert weights");
+  if (st != DSA_OK) return st;
+  st = encode_tensor_map_2d(&mx, a, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, static_cast<uint64_t>(nkb) * kBlock, pairs,
+                            static_cast<uint64_t>(nkb) * kBlock, kBlock, kTileM, CU_TENSOR_MAP_SWIZZLE_128B,
+                            "moe_experts: quantised positions");
+  if (st != DSA_OK) return st;
+  // tiles start at any position: the scale box reaches 4 back (fp8_gemm_ws.cuh WsArgs::s_box)
+  constexpr int kScaleBox = kTileM + 4;
+  st = encode_tensor_map_2d(&ms, as, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, pairs, nkb, p_pad * 4, kScaleBox, 1,
+                            CU_TENSOR_MAP_SWIZZLE_NONE, "moe_experts: position scales");
+  if (st != DSA_OK) return st;
+  WsArgs g{};
+  g.w_scale = ws;
+  g.out = out;
+  g.out_stride = n;
+  g.rows = pairs;
+  g.n = n;
+  g.nkb = nkb;
+  g.w_tiles = static_cast<int>(dsa_ceil_div(n, kTileM));
+  g.t_tiles = plan.max_tiles;
+  g.t_groups = plan.max_tiles;
+  g.splits = 1;
+  g.kb_per_split = nkb;
+  g.vec_store = (reinterpret_cast<uintptr_t>(out) & 15) == 0 && n % 8 == 0;
+  g.tile_expert = tile_expert;
+  g.tile_start = tile_start;
+  g.expert_offsets = offsets;
+  g.num_tiles = num_tiles;
+  g.w_expert_rows = n;
+  g.ws_expert_stride = dsa_ceil_div(n, kTileM) * nkb;
+  g.s_box = kScaleBox;
+  auto kernel = fp8_gemm_ws_kernel<false, kTileM, false, 1>;
+  constexpr int smem = WsTile<false, kTileM>::kSmem;
+  st = dsa_kernel_attributes("moe_experts", reinterpret_cast<const void*>(kernel), smem);
+  if (st != DSA_OK) return st;
+  int dev = 0, sms = 0;
+  DSA_CUDA_CHECK(cudaGetDevice(&dev));
+  DSA_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  const int64_t max_units = static_cast<int64_t>(g.w_tiles) * plan.max_tiles;
+  DSA_CHECK_SUPPORTED(max_units < (1ll << 31) && static_cast<int64_t>(e_local) * n < (1ll << 31),
+                      "moe_experts: %lld work units / %lld weight rows exceed int32", (long long)max_units,
+                      (long long)e_local * n);
+  // a persistent grid: CTA b runs units b, b + grid, ... of the units the tile count gives
+  const unsigned grid = static_cast<unsigned>(std::min<int64_t>(max_units, std::max(sms, 1)));
+  kernel<<<grid, dsa_fp8_ws::kThreads, smem, stream>>>(g, mw, mx, ms);
+  DSA_CUDA_CHECK_LAUNCH();
+  return DSA_OK;
+}
+
 static int launch_grouped_bn(int bn, const GemmArgs& g, int max_tiles, cudaStream_t stream) {
   switch (bn) {
     case 8: return launch_grouped<8>(g, max_tiles, stream);
@@ -323,6 +441,15 @@ using namespace dsa_moe;
 extern "C" size_t dsa_moe_experts_workspace_size(int64_t num_tokens, int top_k, int num_local_experts, int hidden,
                                                  int inter, int weight_format) {
   return plan_moe(num_tokens, top_k, num_local_experts, hidden, inter, weight_format).total;
+}
+
+extern "C" const char* dsa_moe_experts_path(int64_t num_tokens, int top_k, int num_local_experts) {
+  static thread_local char text[48];
+  GemmPath forced = GemmPath::kAuto;
+  if (forced_path(&forced) != DSA_OK) return "invalid DSA_MOE_GEMM_PATH";
+  const MoePlan p = plan_moe(num_tokens, top_k, num_local_experts, 1, 1, DSA_MOE_FP8_BLOCK, forced);
+  snprintf(text, sizeof(text), p.tma ? "tma 128x128" : "legacy 128x%d", p.bn);
+  return text;
 }
 
 extern "C" int dsa_launch_moe_experts(const DsaMoeExpertsParams* p, cudaStream_t stream) {
@@ -363,7 +490,11 @@ extern "C" int dsa_launch_moe_experts(const DsaMoeExpertsParams* p, cudaStream_t
                 "moe_experts: workspace=%p, w13=%p and w2=%p must be 16-byte aligned", p->workspace,
                 p->w13, p->w2);
 
-  const MoePlan plan = plan_moe(p->num_tokens, p->top_k, p->num_local_experts, p->hidden, p->inter, p->weight_format);
+  GemmPath forced = GemmPath::kAuto;
+  const int fst = forced_path(&forced);
+  if (fst != DSA_OK) return fst;
+  const MoePlan plan =
+      plan_moe(p->num_tokens, p->top_k, p->num_local_experts, p->hidden, p->inter, p->weight_format, forced);
   DSA_CHECK_SUPPORTED(plan.max_tiles <= 65535, "moe_experts: %d token tiles exceed the grid (num_tokens=%lld)",
                       plan.max_tiles, (long long)p->num_tokens);
   uint8_t* ws = static_cast<uint8_t*>(p->workspace);
@@ -391,7 +522,31 @@ extern "C" int dsa_launch_moe_experts(const DsaMoeExpertsParams* p, cudaStream_t
   DSA_CUDA_CHECK_LAUNCH();
 
   const unsigned swiglu_blocks = static_cast<unsigned>(dsa_ceil_div(pairs * plan.nkb_i * 32, 256));
-  if (fp8) {
+  if (fp8 && plan.tma) {
+    uint8_t* qxs = at(plan.off_qxs);
+    float* sxs = reinterpret_cast<float*>(at(plan.off_sxs));
+    uint8_t* qh = at(plan.off_qh);
+    float* sh = reinterpret_cast<float*>(at(plan.off_sh));
+    const uint8_t* w13 = static_cast<const uint8_t*>(p->w13);
+    const uint8_t* w2 = static_cast<const uint8_t*>(p->w2);
+    // 2'. x -> e4m3 per position, in the sorted order
+    moe_gather_quant_kernel<<<static_cast<unsigned>(dsa_ceil_div(pairs * plan.nkb_d * 32, 256)), 256, 0, stream>>>(
+        static_cast<const uint16_t*>(p->x), pairs, total, sorted_token, D, plan.nkb_d, qxs, sxs, plan.p_pad,
+        p->pow2_act_scales, (reinterpret_cast<uintptr_t>(p->x) & 7) == 0);
+    DSA_CUDA_CHECK_LAUNCH();
+    // 3. gate | up
+    st = launch_grouped_tma(w13, p->w13_scale, E, 2 * I, D, qxs, sxs, pairs, plan.p_pad, gu, plan, tile_expert,
+                            tile_start, offsets, num_tiles, stream);
+    if (st != DSA_OK) return st;
+    // 4. h = e4m3(bf16(silu(gate) * up)), scales transposed
+    moe_swiglu_kernel<<<swiglu_blocks, 256, 0, stream>>>(gu, pairs, total, I, plan.nkb_i, qh, sh, 1, plan.p_pad,
+                                                         nullptr, p->pow2_act_scales, 1);  // I % 16 == 0
+    DSA_CUDA_CHECK_LAUNCH();
+    // 5. down
+    st = launch_grouped_tma(w2, p->w2_scale, E, D, I, qh, sh, pairs, plan.p_pad, y, plan, tile_expert, tile_start,
+                            offsets, num_tiles, stream);
+    if (st != DSA_OK) return st;
+  } else if (fp8) {
     uint8_t* qx = at(plan.off_qx);
     float* sx = reinterpret_cast<float*>(at(plan.off_sx));
     uint8_t* qh = at(plan.off_qh);
@@ -423,8 +578,8 @@ extern "C" int dsa_launch_moe_experts(const DsaMoeExpertsParams* p, cudaStream_t
     g.num_tiles = num_tiles;
     if ((st = launch_grouped_bn(plan.bn, g, plan.max_tiles, stream)) != DSA_OK) return st;
     // 4. h = e4m3(bf16(silu(gate) * up))
-    moe_swiglu_kernel<<<swiglu_blocks, 256, 0, stream>>>(gu, pairs, total, I, plan.nkb_i, qh, sh, nullptr,
-                                                         p->pow2_act_scales, 1);  // I % 16 == 0
+    moe_swiglu_kernel<<<swiglu_blocks, 256, 0, stream>>>(gu, pairs, total, I, plan.nkb_i, qh, sh, plan.nkb_i, 1,
+                                                         nullptr, p->pow2_act_scales, 1);  // I % 16 == 0
     DSA_CUDA_CHECK_LAUNCH();
     // 5. down
     g.w = static_cast<const uint8_t*>(p->w2);
@@ -450,8 +605,8 @@ extern "C" int dsa_launch_moe_experts(const DsaMoeExpertsParams* p, cudaStream_t
                            stream>>>(static_cast<const uint16_t*>(p->x), D, sorted_token,
                                      static_cast<const uint16_t*>(p->w13), sorted_expert, total, 2 * I, D, gu, 2 * I);
     DSA_CUDA_CHECK_LAUNCH();
-    moe_swiglu_kernel<<<swiglu_blocks, 256, 0, stream>>>(gu, pairs, total, I, plan.nkb_i, nullptr, nullptr, h, 0,
-                                                         I % 4 == 0);
+    moe_swiglu_kernel<<<swiglu_blocks, 256, 0, stream>>>(gu, pairs, total, I, plan.nkb_i, nullptr, nullptr, 0, 0, h,
+                                                         0, I % 4 == 0);
     DSA_CUDA_CHECK_LAUNCH();
     moe_bf16_gemm_kernel<<<dim3(static_cast<unsigned>(pairs), static_cast<unsigned>(dsa_ceil_div(D, 8))), 256, 0,
                            stream>>>(h, I, nullptr, static_cast<const uint16_t*>(p->w2), sorted_expert, total, D, I, y,
