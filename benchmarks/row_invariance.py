@@ -11,7 +11,8 @@ GEMM path forced at one split; torch.ops.dsa.moe_experts; torch.ops.dsa.sparse_m
 split-KV plan and with DSA_MLA_SPLITS=1; cuBLAS through F.linear in bf16 (the bf16 checkpoints'
 linears) and fp32 (the router, the indexer's weights_proj, the Hadamard rotation, the fp32
 lm_head) and the bf16 GEMM with fp32 output (torch.mm out_dtype: the lm_head without an fp32 copy
-of its weight), each form's time beside the other's (as benchmarks/timing.py times). The engine's batch invariance is
+of its weight) and torch.ops.dsa.f32_linear on 128-row GEMMs (DSA_F32_LINEAR_ROWS=128, the
+deterministic mode's), each form's time beside the others' (as benchmarks/timing.py times). The engine's batch invariance is
 the AND of these rows (tests/test_gpu_invariance.py checks it end to end). GPU only.
 """
 
@@ -95,6 +96,9 @@ def main() -> int:
               flush=True)
         print(row(f"mm bf16 -> fp32 {name}", f"{n} x {k}",
                   *differing(lambda v: torch.mm(v, w.t(), out_dtype=torch.float32), x, ts), ts), flush=True)
+        with scoped_env({"DSA_F32_LINEAR_ROWS": "128"}):  # the deterministic mode's fixed-row GEMMs
+            print(row(f"dsa::f32_linear {name} (DSA_F32_LINEAR_ROWS=128)", f"{n} x {k}",
+                      *differing(lambda v: torch.ops.dsa.f32_linear(v, w), x, ts), ts), flush=True)
         same = torch.equal(torch.mm(x[:BASE], w.t(), out_dtype=torch.float32), F.linear(x[:BASE].float(), wf))
         diff = float((torch.mm(x[:BASE], w.t(), out_dtype=torch.float32) - F.linear(x[:BASE].float(), wf)).abs().max())
         print(f"|   mm bf16 -> fp32 vs F.linear fp32, {name}, T = {BASE} | | | {'equal' if same else 'not equal'} "
@@ -107,8 +111,10 @@ def main() -> int:
             fp32 = (lambda: F.linear(h.float(), w.float())) if name == "lm_head" else (lambda: F.linear(h.float(), wf))
             cast = time_both_us(fp32, flush, 20)[0]
             mm = time_both_us(lambda: torch.mm(h, w.t(), out_dtype=torch.float32), flush, 20)[0]
-            print(f"|   {name} {n} x {k}, T = {t}: F.linear fp32 {cast:.1f} µs, mm bf16 -> fp32 {mm:.1f} µs "
-                  "| | | | |", flush=True)
+            with scoped_env({"DSA_F32_LINEAR_ROWS": "128"}):
+                rows128 = time_both_us(lambda: torch.ops.dsa.f32_linear(h, w), flush, 20)[0]
+            print(f"|   {name} {n} x {k}, T = {t}: F.linear fp32 {cast:.1f} µs, mm bf16 -> fp32 {mm:.1f} µs, "
+                  f"f32_linear in 128-row GEMMs {rows128:.1f} µs | | | | |", flush=True)
         del w, wf
     # the routed experts: 16 local experts of 256 (expert-parallel rank 0 of 16), real D and I
     e_local, experts, top_k, d, i = 16, 256, 8, 7168, 2048

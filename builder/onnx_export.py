@@ -348,9 +348,17 @@ def _mm_fp32_out(a, b, out_dtype):
     return op.MatMul(op.Cast(a, to=onnx.TensorProto.FLOAT), op.Cast(b, to=onnx.TensorProto.FLOAT))
 
 
+def _f32_linear(x, weight):
+    """dsa::f32_linear (export/layers.py fp32_linear on CUDA): x @ weight^T as _mm_fp32_out. The
+    deterministic mode's row chunks are a CUDA-runtime choice of the op; one MatMul has no chunks."""
+    return op.MatMul(op.Cast(x, to=onnx.TensorProto.FLOAT),
+                     op.Transpose(op.Cast(weight, to=onnx.TensorProto.FLOAT), perm=[1, 0]))
+
+
 TRANSLATIONS = {
     torch.ops.aten.einsum.default: _einsum,
     torch.ops.aten.mm.dtype: _mm_fp32_out,
+    torch.ops.dsa.f32_linear.default: _f32_linear,
     torch.ops.dsa_onnx.mla_cache_write.default: _mla_cache_write,
     torch.ops.dsa_onnx.indexer_k_cache_write.default: _indexer_k_cache_write,
     torch.ops.dsa.indexer_logits.default: _indexer_logits,

@@ -119,15 +119,17 @@ def dequantised_linears(net: nn.Module) -> list[str]:
 def fp32_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x @ weight.T`` with fp32 output from bf16-stored operands, as the official numerics apply the
     lm_head, the router and the indexer's weights_proj in fp32 (docs/architecture.md §8). Bf16
-    operands on CUDA: one bf16 GEMM with fp32 output: bf16 products are exact in fp32 and the GEMM
-    sums in fp32, so it is the fp32 GEMM of the cast operands up to summation order, without fp32
-    copies of the operands (the lm_head's: 3.5 ms per step at V3.2's head against 0.44 ms) and at
-    a third to a tenth of cuBLAS fp32's time for the router and weights_proj; its rows are also
-    invariant to the row count over more T (benchmarks/RESULTS.md, "Row invariance"). aten::mm.dtype
-    has no CPU kernel, so the CPU keeps the cast; the ONNX graph gets Cast + MatMul
+    operands on CUDA: dsa::f32_linear (plugins/fp8_ops.py), one bf16 GEMM with fp32 output: bf16
+    products are exact in fp32 and the GEMM sums in fp32, so it is the fp32 GEMM of the cast
+    operands up to summation order, without fp32 copies of the operands (the lm_head's: 3.5 ms per
+    step at V3.2's head against 0.44 ms) and at a third to a tenth of cuBLAS fp32's time for the
+    router and weights_proj. Its rows are invariant to the step's row count up to ~80 rows
+    (router) as it is, and at every count in the deterministic mode, which runs it on fixed row
+    chunks (DSA_F32_LINEAR_ROWS; benchmarks/RESULTS.md, "Row invariance"). aten::mm.dtype has no
+    CPU kernel, so the CPU keeps the cast; the ONNX graph gets Cast + MatMul
     (builder/onnx_export.py)."""
     if x.is_cuda and x.dtype == weight.dtype == torch.bfloat16:
-        return torch.mm(x, weight.t(), out_dtype=torch.float32)
+        return torch.ops.dsa.f32_linear(x, weight)
     return F.linear(x.float(), weight.float())
 
 

@@ -45,7 +45,7 @@ KERNEL_LIB_ENV = "DSA_KERNEL_LIB"
 MLA_SPLITS_ENV = "DSA_MLA_SPLITS"
 BUILD_DIR = Path(__file__).resolve().parents[1] / "build"
 DEFAULT_LIB = BUILD_DIR / "libdsa_torch_ops.so"
-ABI_VERSION = 2  # = kAbiVersion of dsa_torch_ops.cpp: another value means a stale build
+ABI_VERSION = 3  # = kAbiVersion of dsa_torch_ops.cpp: another value means a stale build
 MODES = ("cuda", "reference")
 FIX = "build it with `make kernels torch-ops`, or set DSA_KERNELS=reference for the slow plain-torch reference"
 

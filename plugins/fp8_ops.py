@@ -7,6 +7,13 @@ kernels come from the C++ binding (plugins/torch_binding/moe_ops.cpp):
 Op name (torch)          ONNX op_type / TensorRT plugin
 dsa::fp8_block_linear    DsaFp8BlockLinear
 dsa::moe_experts         DsaMoeExperts
+dsa::f32_linear          (none: Cast + MatMul, builder/onnx_export.py)
+
+dsa::f32_linear is the fp32-output linear of bf16 operands (the router, the indexer's weights_proj,
+the lm_head: export/layers.py fp32_linear) on CUDA: one bf16 GEMM with fp32 output, or, with
+DSA_F32_LINEAR_ROWS=R set (the deterministic mode sets it: runtime/knobs.py), the same GEMM on
+fixed chunks of R rows, the last one zero-padded to R, so that cuBLAS runs one kernel for every
+row at every token count and a row's sums do not depend on the step (benchmarks/row_invariance.py).
 
 Semantics and layouts: plugins/csrc/dsa_moe_kernels.h (the CUDA kernels' contract). The CUDA
 binding checks what ``check_fp8_block_linear`` and ``check_moe_experts(..., check_values=False)``
@@ -16,7 +23,10 @@ CUDA-graph capture), so the kernel skips ids outside [0, num_experts).
 
 from __future__ import annotations
 
+import os
+
 import torch
+import torch.nn.functional as F
 
 from . import fp8_reference as ref
 from .ops import OpDef, define_op
@@ -144,11 +154,64 @@ def _moe_experts_fake(x, topk_ids, topk_weights, w13, w13_scale, w2, w2_scale, n
     return x.new_empty((x.shape[0], x.shape[1]), dtype=torch.float32)
 
 
+F32_ROWS_KNOB = "DSA_F32_LINEAR_ROWS"
+F32_ROWS_MAX = 65536
+
+
+def f32_linear_rows(environ=None) -> int:
+    """DSA_F32_LINEAR_ROWS: the row chunk of dsa::f32_linear, 0 when unset (one GEMM)."""
+    env = os.environ if environ is None else environ
+    text = env.get(F32_ROWS_KNOB, "")
+    if text == "":
+        return 0
+    try:
+        rows = int(text)
+    except ValueError:
+        rows = -1
+    if not 1 <= rows <= F32_ROWS_MAX:
+        raise Fp8OpError(f"{F32_ROWS_KNOB}={text!r} must be an integer in [1, {F32_ROWS_MAX}] (rows per GEMM of "
+                         "dsa::f32_linear; unset: one GEMM)")
+    return rows
+
+
+def check_f32_linear(x: torch.Tensor, weight: torch.Tensor) -> None:
+    _require(x.dim() == 2 and weight.dim() == 2, "f32_linear",
+             f"x must be [T, K] and weight [N, K] (got {_shape(x)} and {_shape(weight)})")
+    _require(x.shape[1] == weight.shape[1], "f32_linear",
+             f"x has K={x.shape[1]} columns but weight [N, K] is {_shape(weight)}")
+    _require(x.dtype == weight.dtype and x.dtype in (torch.bfloat16, torch.float32), "f32_linear",
+             f"x and weight must both be bfloat16 or both float32 (got {x.dtype} and {weight.dtype})")
+
+
+def _f32_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight.T in fp32: bf16 CUDA operands through the bf16 GEMM with fp32 output (in chunks of
+    DSA_F32_LINEAR_ROWS rows when set, as the CUDA kernel does), anything else through the fp32
+    GEMM of the cast operands (aten::mm.dtype has no CPU kernel)."""
+    check_f32_linear(x, weight)
+    if not (x.is_cuda and x.dtype == torch.bfloat16):
+        return F.linear(x.float(), weight.float())
+    rows = f32_linear_rows()
+    if rows == 0 or x.shape[0] == 0:
+        return torch.mm(x, weight.t(), out_dtype=torch.float32)
+    t = x.shape[0]
+    padded = torch.zeros(-(-t // rows) * rows, x.shape[1], device=x.device, dtype=x.dtype)
+    padded[:t] = x
+    out = torch.cat([torch.mm(c, weight.t(), out_dtype=torch.float32) for c in padded.split(rows)])
+    return out[:t].contiguous()
+
+
+def _f32_linear_fake(x, weight):
+    check_f32_linear(x, weight)
+    return x.new_empty((x.shape[0], weight.shape[0]), dtype=torch.float32)
+
+
 # the schema table's entries (plugins/ops.py OPS; the same strings in torch_binding/dsa_schemas.cpp)
 define_op(OpDef("fp8_block_linear", "(Tensor x, Tensor weight, Tensor weight_scale, bool pow2_scales) -> Tensor",
                 _fp8_block_linear, _fp8_block_linear_fake, PLUGIN_NAMES["fp8_block_linear"]))
 define_op(OpDef("moe_experts", "(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor w13, Tensor? w13_scale, "
                 "Tensor w2, Tensor? w2_scale, int num_experts, int expert_offset, bool pow2_scales) -> Tensor",
                 _moe_experts, _moe_experts_fake, PLUGIN_NAMES["moe_experts"]))
+define_op(OpDef("f32_linear", "(Tensor x, Tensor weight) -> Tensor", _f32_linear, _f32_linear_fake))
 fp8_block_linear = torch.ops.dsa.fp8_block_linear
 moe_experts = torch.ops.dsa.moe_experts
+f32_linear = torch.ops.dsa.f32_linear

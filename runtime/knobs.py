@@ -91,6 +91,9 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
          _int(0, INT32_MAX)),
     Knob("DSA_FP8_LINEAR_SPLITS", "", "the most K splits of the fp8 block linear, 1..32; unset: its plan's own "
          "choice, which depends on the step's token count (the deterministic mode sets 1)", _int(1, 32)),
+    Knob("DSA_F32_LINEAR_ROWS", "", "CUDA: the fp32-output linears (router, indexer weights_proj, lm_head) as GEMMs "
+         "of exactly this many rows (zero-padded), so cuBLAS runs one kernel at every token count; unset: one "
+         "GEMM per step (the deterministic mode sets 128)", _int(1, 65536)),
     Knob("DSA_KERNELS", "auto", "auto: our CUDA kernels when the library loads; cuda: require them; reference: "
          "plain torch", _choice("auto", "cuda", "reference")),
     Knob("DSA_KERNEL_LIB", "", "path of the kernel library (default build/libdsa_kernels.so)", _path),
@@ -114,9 +117,10 @@ def get(name: str, environ: dict | None = None):
 
 
 # The deterministic mode's kernel plans (benchmarks/row_invariance.py measured which op needs what):
-# the fp8 block linear unsplit over K, sparse MLA unsplit over its keys, so a row's sums run in the
-# same order at every token count of a step. The kernels read them at every launch.
-DETERMINISTIC_KERNEL_ENV = {"DSA_FP8_LINEAR_SPLITS": "1", "DSA_MLA_SPLITS": "1"}
+# the fp8 block linear unsplit over K, sparse MLA unsplit over its keys, the fp32-output linears on
+# fixed 128-row GEMMs (cuBLAS picks its kernel by the row count), so a row's sums run in the same
+# order at every token count of a step. The kernels read them at every launch.
+DETERMINISTIC_KERNEL_ENV = {"DSA_FP8_LINEAR_SPLITS": "1", "DSA_MLA_SPLITS": "1", "DSA_F32_LINEAR_ROWS": "128"}
 
 
 def _apply(values: dict[str, str | None]) -> None:

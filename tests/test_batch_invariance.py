@@ -99,6 +99,7 @@ def test_deterministic_kernel_plans_around_steps(engine, monkeypatch):
 
     monkeypatch.setenv("DSA_MLA_SPLITS", "3")
     monkeypatch.delenv("DSA_FP8_LINEAR_SPLITS", raising=False)
+    monkeypatch.delenv("DSA_F32_LINEAR_ROWS", raising=False)
     seen = []
     for deterministic in (True, False):
         llm = LLM(engine, num_pages=64, deterministic=deterministic)
@@ -111,8 +112,10 @@ def test_deterministic_kernel_plans_around_steps(engine, monkeypatch):
         llm._run = spy
         llm.generate(["Hello"], SamplingParams(temperature=0.0, max_tokens=2))
         assert os.environ.get("DSA_MLA_SPLITS") == "3" and "DSA_FP8_LINEAR_SPLITS" not in os.environ
+        assert "DSA_F32_LINEAR_ROWS" not in os.environ
     assert {d for d, _ in seen} == {True, False}
     for deterministic, env in seen:
         want = knobs.DETERMINISTIC_KERNEL_ENV if deterministic else {"DSA_MLA_SPLITS": "3",
-                                                                       "DSA_FP8_LINEAR_SPLITS": None}
+                                                                       "DSA_FP8_LINEAR_SPLITS": None,
+                                                                       "DSA_F32_LINEAR_ROWS": None}
         assert env == want, (deterministic, env)

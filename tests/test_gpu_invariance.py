@@ -150,6 +150,37 @@ def test_fp32_products_of_bf16_weights_on_cuda():
         for t in (1, 16, 33, 80):
             assert torch.equal(fp32_linear(x[:t], w), got[:t]), f"{n} x {k}: rows differ at T={t}"
 
+    _rotate_rows_check(g)
+
+
+def test_f32_linear_rows_invariant_in_fixed_chunks(monkeypatch):
+    """dsa::f32_linear under DSA_F32_LINEAR_ROWS=128 (the deterministic mode's): every row the same
+    bits at every step width, 1 to 4096 rows (one GEMM per step differs from T ~ 128 on, RESULTS
+    "Row invariance"), and within fp32 summation error of the one-GEMM product."""
+    from dsa_trt.export.layers import fp32_linear
+    from dsa_trt.plugins import cuda_ops
+
+    cuda_ops.load("cuda")  # the C++ kernel (moe_ops.cpp f32_linear), not the reference's chunks
+    g = torch.Generator(device="cuda").manual_seed(1)
+    for n, k in ((256, 7168), (64, 7168), (129280 // 8, 7168)):  # router, weights_proj, an lm_head shard
+        x = torch.randn(4096, k, generator=g, device="cuda").to(torch.bfloat16)
+        w = (torch.randn(n, k, generator=g, device="cuda") * 0.02).to(torch.bfloat16)
+        monkeypatch.delenv("DSA_F32_LINEAR_ROWS", raising=False)
+        one = fp32_linear(x, w)
+        monkeypatch.setenv("DSA_F32_LINEAR_ROWS", "128")
+        got = fp32_linear(x, w)
+        bound = (x[:256].float().abs() @ w.float().abs().t()) * 2**-18
+        assert bool(((got[:256] - one[:256]).abs() <= bound).all()), f"{n} x {k}: chunked far from one GEMM"
+        for t in (1, 16, 80, 128, 129, 256, 1000, 4096):
+            assert torch.equal(fp32_linear(x[:t], w), got[:t]), f"{n} x {k}: rows differ at T={t}"
+        monkeypatch.setenv("DSA_F32_LINEAR_ROWS", "0")
+        with pytest.raises(ValueError, match="DSA_F32_LINEAR_ROWS"):
+            fp32_linear(x[:4], w)
+
+
+def _rotate_rows_check(g):
+    from dsa_trt.export.layers import hadamard_buffers
+
     class Rotate(torch.nn.Module):
         def __init__(self):
             super().__init__()

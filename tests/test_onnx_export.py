@@ -567,10 +567,12 @@ def test_whole_graph_with_reference_plugins(f32_graphs, ckpt):
                 f"step {i} pool {layer}: {off:.3%} entries differ, worst {steps_off:.2e} relative"
 
 
-def test_fp32_linear_translation():
-    """The CUDA lm_head (export/layers.py fp32_linear: aten::mm.dtype, a bf16 GEMM with fp32 output)
-    becomes Cast + Cast + MatMul in fp32: no aten node left, and in ONNX Runtime the logits of the
-    fp32 GEMM of the bf16-rounded operands (exact products, fp32 sums: float32 tolerance)."""
+@pytest.mark.parametrize("form", ["mm.dtype", "dsa.f32_linear"])
+def test_fp32_linear_translation(form):
+    """The CUDA lm_head / router / weights_proj (export/layers.py fp32_linear: dsa::f32_linear, or
+    aten::mm.dtype written directly, a bf16 GEMM with fp32 output) become Cast + Cast + MatMul in fp32:
+    no aten or dsa node left, and in ONNX Runtime the logits of the fp32 GEMM of the bf16-rounded
+    operands (exact products, fp32 sums: float32 tolerance)."""
     from dsa_trt.builder.onnx_export import OPSET, TRANSLATIONS
 
     class Head(torch.nn.Module):
@@ -578,14 +580,17 @@ def test_fp32_linear_translation():
             super().__init__()
             self.w = torch.nn.Parameter(w, requires_grad=False)
 
-        def forward(self, x):  # the exported CUDA program's call, traced on the CPU (fake tensors)
-            return torch.mm(x.to(torch.bfloat16), self.w.t(), out_dtype=torch.float32)
+        def forward(self, x):  # the exported CUDA program's call, traced on the CPU
+            if form == "mm.dtype":
+                return torch.mm(x.to(torch.bfloat16), self.w.t(), out_dtype=torch.float32)
+            return torch.ops.dsa.f32_linear(x.to(torch.bfloat16), self.w)
 
     g = torch.Generator().manual_seed(0)
     w = torch.randn(96, 64, generator=g).to(torch.bfloat16)
     x = torch.randn(5, 64, generator=g)
     ep = torch.export.export(Head(w), (x,))
-    assert any(n.target is torch.ops.aten.mm.dtype for n in ep.graph.nodes)
+    target = torch.ops.aten.mm.dtype if form == "mm.dtype" else torch.ops.dsa.f32_linear.default
+    assert any(n.target is target for n in ep.graph.nodes)
     model = torch.onnx.export(ep, dynamo=True, custom_translation_table=TRANSLATIONS, opset_version=OPSET,
                               verbose=False).model_proto
     ops = Counter(n.op_type for n in model.graph.node)

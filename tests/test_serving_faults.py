@@ -126,6 +126,7 @@ def test_builder_rejects_garbage_tokenizer(ckpt_copy, tmp_path):
     ("DSA_CUDA_GRAPHS", "yes", "DSA_CUDA_GRAPHS='yes' must be one of 0, 1"),
     ("DSA_MLA_SPLITS", "-2", "DSA_MLA_SPLITS=-2 must be in [0, 2147483647]"),
     ("DSA_FP8_LINEAR_SPLITS", "0", "DSA_FP8_LINEAR_SPLITS=0 must be in [1, 32]"),
+    ("DSA_F32_LINEAR_ROWS", "0", "DSA_F32_LINEAR_ROWS=0 must be in [1, 65536]"),
     ("DSA_KERNELS", "fast", "DSA_KERNELS='fast' must be one of auto, cuda, reference"),
     ("DSA_TOPK_CLUSTER", "3", "DSA_TOPK_CLUSTER='3' must be one of 1, 2, 4, 8, 16"),
 ])

@@ -13,5 +13,6 @@ TORCH_LIBRARY(dsa, m) {
   m.def("topk_translate(Tensor logits, Tensor lengths, Tensor page_table, Tensor req_idx, SymInt k) -> Tensor");
   m.def("sparse_mla(Tensor q, Tensor pool, Tensor slots, float kv_scale, float sm_scale) -> (Tensor, Tensor)");
   m.def("fp8_block_linear(Tensor x, Tensor weight, Tensor weight_scale, bool pow2_scales) -> Tensor");
+  m.def("f32_linear(Tensor x, Tensor weight) -> Tensor");
   m.def("moe_experts(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor w13, Tensor? w13_scale, Tensor w2, Tensor? w2_scale, int num_experts, int expert_offset, bool pow2_scales) -> Tensor");
 }

@@ -41,7 +41,7 @@
 namespace {
 
 // Kept equal to plugins/cuda_ops.py ABI_VERSION: load() refuses a library of another version (stale build).
-constexpr int64_t kAbiVersion = 2;
+constexpr int64_t kAbiVersion = 3;
 constexpr int64_t kAny = -1;  // a dimension check_tensor does not constrain
 constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();
 

@@ -1,6 +1,7 @@
 // DSA-TRT torch binding: the CUDA kernels of dsa::fp8_block_linear and dsa::moe_experts (schemas
 // defined in Python with the reference implementations, plugins/fp8_ops.py) over the launchers of
-// plugins/csrc/dsa_moe_kernels.h. Validation happens here, once, with the reference op's rules
+// plugins/csrc/dsa_moe_kernels.h, and dsa::f32_linear over cuBLAS (torch's bf16 GEMM with fp32
+// output, in fixed row chunks under DSA_F32_LINEAR_ROWS). Validation happens here, once, with the reference op's rules
 // (check_fp8_block_linear / check_moe_experts with check_values=False) and messages naming the
 // argument: bad arguments raise ValueError; a launcher's DSA_ERR_INVALID_ARG -> ValueError,
 // DSA_ERR_UNSUPPORTED -> NotImplementedError, DSA_ERR_CUDA -> RuntimeError, each carrying
@@ -12,7 +13,11 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <cstdlib>
 #include <optional>
+#include <string>
+#include <vector>
 
 #include "message.h"
 #include "../csrc/dsa_kernels.h"
@@ -186,9 +191,54 @@ at::Tensor moe_experts(const at::Tensor& x, const at::Tensor& topk_ids, const at
   return out;
 }
 
+// DSA_F32_LINEAR_ROWS (plugins/fp8_ops.py f32_linear_rows): 0 when unset, else the rows per GEMM.
+int64_t f32_linear_rows() {
+  constexpr int64_t kMaxRows = 65536;
+  const char* e = std::getenv("DSA_F32_LINEAR_ROWS");
+  if (e == nullptr || *e == '\0') return 0;
+  char* end = nullptr;
+  const long long v = std::strtoll(e, &end, 10);
+  DSA_CHECK_VALUE(*end == '\0' && v >= 1 && v <= kMaxRows, "DSA_F32_LINEAR_ROWS='", e,
+                    "' must be an integer in [1, ", kMaxRows, "] (rows per GEMM of dsa::f32_linear; unset: one GEMM)");
+  return v;
+}
+
+// x [T, K] bf16, weight [N, K] bf16 -> x @ weight^T [T, N] fp32: one bf16 GEMM with fp32 output, or
+// with DSA_F32_LINEAR_ROWS = R the same GEMM on chunks of exactly R rows of a zero-padded copy of x
+// (cuBLAS picks its kernel by the shape: one shape, one kernel, the same sums for a row at every T;
+// the chunks' operands and outputs all start R rows apart in fresh buffers, so their alignment
+// agrees too). The result is a view of the first T rows of the padded output (contiguous).
+at::Tensor f32_linear(const at::Tensor& x, const at::Tensor& weight) {
+  constexpr const char* op = "dsa::f32_linear";
+  DSA_CHECK_VALUE(x.dim() == 2 && weight.dim() == 2, op, ": x must be [T, K] and weight [N, K] (got ", x.sizes(),
+                    " and ", weight.sizes(), ")");
+  check_on(weight, op, "weight", x.device());
+  DSA_CHECK_VALUE(x.size(1) == weight.size(1), op, ": x has K=", x.size(1), " columns but weight [N, K] is ",
+                    weight.sizes());
+  DSA_CHECK_VALUE(x.scalar_type() == weight.scalar_type() &&
+                      (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kFloat),
+                  op, ": x and weight must both be bfloat16 or both float32 (got ", x.scalar_type(), " and ",
+                  weight.scalar_type(), ")");
+  const c10::cuda::CUDAGuard guard(x.device());
+  const int64_t rows = f32_linear_rows(), t = x.size(0);
+  const at::Tensor wt = weight.t();
+  auto gemm = [&](const at::Tensor& a) {
+    return a.scalar_type() == at::kBFloat16 ? at::mm(a, wt, at::kFloat) : at::mm(a, wt);
+  };
+  if (rows == 0 || t == 0) return gemm(x);
+  const int64_t chunks = (t + rows - 1) / rows;
+  at::Tensor padded = at::zeros({chunks * rows, x.size(1)}, x.options());
+  padded.narrow(0, 0, t).copy_(x);
+  std::vector<at::Tensor> parts;
+  parts.reserve(static_cast<size_t>(chunks));
+  for (int64_t c = 0; c < chunks; ++c) parts.push_back(gemm(padded.narrow(0, c * rows, rows)));
+  return at::cat(parts).narrow(0, 0, t);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(dsa, CUDA, m) {
   m.impl("fp8_block_linear", &fp8_block_linear);
   m.impl("moe_experts", &moe_experts);
+  m.impl("f32_linear", &f32_linear);
 }
