@@ -10,7 +10,8 @@
 //      - "tma" (prefill: more than 64 pairs per local expert on average, or DSA_MOE_GEMM_PATH=tma):
 //        fp8_gemm_ws.cuh's warp-specialised TMA GEMM, grouped (128 positions x 128 weight rows per
 //        unit, a persistent grid over the units of the device's tile count). TMA cannot gather
-//        rows, so step 2 writes x quantised per position, in the sorted order (P rows, not T);
+//        rows, so step 2' copies the quantised rows of x per position, in the sorted order (P
+//        rows, not T);
 //      - "legacy" (decode): fp8_gemm.cuh's cp.async swap-AB tile, BN = 8..128 positions per
 //        tile, x rows gathered through the sorted pair list. Grid: the static bound
 //        sum_e ceil(P_e / BN) <= ceil(P / BN) + E_local tiles; CTAs past the real count exit.
@@ -135,26 +136,25 @@ __global__ void __launch_bounds__(256) moe_act_quant_kernel(const uint16_t* __re
   quant_group_store(v, pow2 != 0, q + t * nkb * kBlock + kb * kBlock, scale + t * nkb + kb, lane);
 }
 
-// ---------------------------------------------------------------- 2'. gather + act_quant (tma path)
-// One warp per (position q < *total, 128 columns of D): x[sorted_token[q]] quantised into row q of
-// q_out, its scale at scale[kb * p_pad + q] (transposed: a tile's scales of one K block are one
-// TMA box). Positions past the routed count are left unwritten (their output rows are not stored).
-__global__ void __launch_bounds__(256) moe_gather_quant_kernel(const uint16_t* __restrict__ x, int64_t num_pos,
-                                                                const int32_t* total, const int32_t* sorted_token,
-                                                                int d, int nkb, uint8_t* __restrict__ q,
-                                                                float* __restrict__ scale, int64_t p_pad, int pow2,
-                                                                int vec) {
-  const int64_t gw = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
-  const int lane = threadIdx.x & 31;
-  if (gw >= num_pos * nkb) return;  // warp-uniform
-  const int64_t pos = gw / nkb;
-  const int kb = static_cast<int>(gw % nkb);
+// ---------------------------------------------------------------- 2'. gather (tma path)
+// Row q < *total of q_out = row sorted_token[q] of the per-token quantised x (step 2), 16 bytes a
+// thread; the thread of chunk kb < nkb also moves the scale, to scale_out[kb * p_pad + q]
+// (transposed: a tile's scales of one K block are one TMA box). Positions past the routed count
+// are left unwritten (their output rows are not stored).
+__global__ void __launch_bounds__(256) moe_gather_rows_kernel(const uint8_t* __restrict__ q, const float* __restrict__ scale,
+                                                               int64_t num_pos, const int32_t* total,
+                                                               const int32_t* sorted_token, int nkb,
+                                                               uint8_t* __restrict__ q_out, float* __restrict__ scale_out,
+                                                               int64_t p_pad) {
+  const int64_t chunks = static_cast<int64_t>(nkb) * (kBlock / 16);  // 16-byte chunks per row
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= num_pos * chunks) return;
+  const int64_t pos = i / chunks;
+  const int c = static_cast<int>(i % chunks);
   if (pos >= *total) return;
   const int64_t t = sorted_token[pos];
-  const int k0 = kb * kBlock + 4 * lane;
-  float v[4];
-  load_bf16x4(x + t * d + k0, d - k0, vec != 0, v);
-  quant_group_store(v, pow2 != 0, q + pos * nkb * kBlock + kb * kBlock, scale + kb * p_pad + pos, lane);
+  reinterpret_cast<uint4*>(q_out + pos * chunks * 16)[c] = reinterpret_cast<const uint4*>(q + t * chunks * 16)[c];
+  if (c < nkb) scale_out[c * p_pad + pos] = scale[t * nkb + c];
 }
 
 // ---------------------------------------------------------------- 3 / 5. grouped fp8 GEMM
@@ -523,16 +523,21 @@ extern "C" int dsa_launch_moe_experts(const DsaMoeExpertsParams* p, cudaStream_t
 
   const unsigned swiglu_blocks = static_cast<unsigned>(dsa_ceil_div(pairs * plan.nkb_i * 32, 256));
   if (fp8 && plan.tma) {
+    uint8_t* qx = at(plan.off_qx);
+    float* sx = reinterpret_cast<float*>(at(plan.off_sx));
     uint8_t* qxs = at(plan.off_qxs);
     float* sxs = reinterpret_cast<float*>(at(plan.off_sxs));
     uint8_t* qh = at(plan.off_qh);
     float* sh = reinterpret_cast<float*>(at(plan.off_sh));
     const uint8_t* w13 = static_cast<const uint8_t*>(p->w13);
     const uint8_t* w2 = static_cast<const uint8_t*>(p->w2);
-    // 2'. x -> e4m3 per position, in the sorted order
-    moe_gather_quant_kernel<<<static_cast<unsigned>(dsa_ceil_div(pairs * plan.nkb_d * 32, 256)), 256, 0, stream>>>(
-        static_cast<const uint16_t*>(p->x), pairs, total, sorted_token, D, plan.nkb_d, qxs, sxs, plan.p_pad,
-        p->pow2_act_scales, (reinterpret_cast<uintptr_t>(p->x) & 7) == 0);
+    // 2. x -> e4m3 once per token, 2'. its rows per position, in the sorted order
+    moe_act_quant_kernel<<<static_cast<unsigned>(dsa_ceil_div(p->num_tokens * plan.nkb_d * 32, 256)), 256, 0,
+                           stream>>>(static_cast<const uint16_t*>(p->x), p->num_tokens, D, plan.nkb_d, qx, sx,
+                                     p->pow2_act_scales, (reinterpret_cast<uintptr_t>(p->x) & 7) == 0);
+    DSA_CUDA_CHECK_LAUNCH();
+    moe_gather_rows_kernel<<<static_cast<unsigned>(dsa_ceil_div(pairs * plan.nkb_d * (kBlock / 16), 256)), 256, 0,
+                             stream>>>(qx, sx, pairs, total, sorted_token, plan.nkb_d, qxs, sxs, plan.p_pad);
     DSA_CUDA_CHECK_LAUNCH();
     // 3. gate | up
     st = launch_grouped_tma(w13, p->w13_scale, E, 2 * I, D, qxs, sxs, pairs, plan.p_pad, gu, plan, tile_expert,
