@@ -12,8 +12,9 @@ split-KV plan and with DSA_MLA_SPLITS=1; cuBLAS through F.linear in bf16 (the bf
 linears) and fp32 (the router, the indexer's weights_proj, the Hadamard rotation, the fp32
 lm_head) and the bf16 GEMM with fp32 output (torch.mm out_dtype: the lm_head without an fp32 copy
 of its weight) and torch.ops.dsa.f32_linear on 128-row GEMMs (DSA_F32_LINEAR_ROWS=128, the
-deterministic mode's), each form's time beside the others' (as benchmarks/timing.py times). The engine's batch invariance is
-the AND of these rows (tests/test_gpu_invariance.py checks it end to end). GPU only.
+deterministic mode's), each form's time beside the others (as benchmarks/timing.py times); the
+absorbed attention's bf16 einsums with W_uk / W_uv (cuBLAS batched GEMMs over the heads). The
+engine's batch invariance is the AND of these rows (tests/test_gpu_invariance.py checks it end to end). GPU only.
 """
 
 from __future__ import annotations
@@ -116,6 +117,18 @@ def main() -> int:
             print(f"|   {name} {n} x {k}, T = {t}: F.linear fp32 {cast:.1f} µs, mm bf16 -> fp32 {mm:.1f} µs, "
                   f"f32_linear in 128-row GEMMs {rows128:.1f} µs | | | | |", flush=True)
         del w, wf
+    # the absorbed attention's bf16 batched products (export/network.py: q_nope x W_uk, o_lat x W_uv;
+    # kv_b stays bf16), 128 heads of V3.2: cuBLAS batched GEMMs whose M is the step's token count
+    heads, nope, lat, v_dim = 128, 128, 512, 128
+    w_uk = (torch.randn(heads, nope, lat, generator=g, device="cuda") * 0.05).to(torch.bfloat16)
+    w_uv = (torch.randn(heads, v_dim, lat, generator=g, device="cuda") * 0.05).to(torch.bfloat16)
+    q_nope = torch.randn(max(ts), heads, nope, generator=g, device="cuda").to(torch.bfloat16)
+    o_lat = torch.randn(max(ts), heads, lat, generator=g, device="cuda").to(torch.bfloat16)
+    print(row("einsum bf16 q_nope x W_uk (absorbed attention)", f"{heads} x {nope} x {lat}",
+              *differing(lambda v: torch.einsum("thd,hdc->thc", v, w_uk), q_nope, ts), ts), flush=True)
+    print(row("einsum bf16 o_lat x W_uv (absorbed attention)", f"{heads} x {lat} x {v_dim}",
+              *differing(lambda v: torch.einsum("thc,hvc->thv", v, w_uv), o_lat, ts), ts), flush=True)
+    del w_uk, w_uv, q_nope, o_lat
     # the routed experts: 16 local experts of 256 (expert-parallel rank 0 of 16), real D and I
     e_local, experts, top_k, d, i = 16, 256, 8, 7168, 2048
     w13 = random_e4m3((e_local, 2 * i, d), g)
