@@ -64,6 +64,19 @@ the EP dispatch and combine of every routed (token, expert) pair, 2 x B x 8 x 71
 and the TP all-reduce of the attention output, 2 x B x 7168 x 2 B, 7/8 of each leaving the GPU
 over NVLink at 450 GB/s, not overlapped with compute. Step = 3 dense + 58 MoE such layers
 (embedding, final norm and lm_head not counted); output tok/s per GPU = B / step / 8.
+
+The second model, attention data-parallel + EP8 (dsa_trt/plan.py with tp=1, ep=8: what TRT-LLM
+serves R1 with): each GPU runs the whole attention for its own B sequences, which is exactly the
+single-GPU layer measured here at B, so the attention, linears (the shared expert's included) and
+rest are taken as measured; the routed experts of a GPU are 32 of the 256, fed the pairs the whole
+node routes to them: ~1/8 of the node's 8B tokens' pairs, so its MoE = the row's MoE (router + the
+experts for B tokens on all 256) - the experts alone at B tokens + the experts alone at 8B tokens
+/ 8, the experts alone measured here on the first MoE layer (its router's picks on random hidden
+states, one CUDA graph, median of the replays); plus the dispatch and combine of the GPU's own
+pairs, 2 x B x 8 x 7168 x 2 B, 7/8 of it over NVLink at 450 GB/s. A row is kept only where the
+plan's cache holds B sequences of the context on a GPU (else it says how many it holds: 176 of 4K,
+22 of 32K for V3.2 on 141 GB; measure that batch too, e.g. ``--batches 1 22 32 128``). Output tok/s
+per GPU = B / step.
 """
 
 from __future__ import annotations
@@ -646,7 +659,90 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print(f"\nCUDA graphs: skipped ({'--no-graphs' if a.no_graphs else f'device {device.type}: graphs need CUDA'})")
     model_8gpu(decode, graph_rows, cfg)
+    if device.type == "cuda" and cfg.n_routed_experts == 256 and decode:
+        batches = sorted({b for b, _ in decode})
+        model_8gpu_dp(decode, graph_rows, experts_alone_us(net, sorted({*batches, *(WORLD * b for b in batches)}),
+                                                           replays, device), cfg)
     return 0
+
+
+def experts_alone_us(net, tokens: list[int], replays: int, device) -> dict[int, float]:
+    """µs of the first MoE layer's routed experts alone (dsa::moe_experts) at each token count: its
+    router's picks on random hidden states, one CUDA graph, median of ``replays`` replays."""
+    moe = next(la.mlp for la in net.model.layers if not la.dense_mlp)
+    out = {}
+    g = torch.Generator(device=device).manual_seed(1)
+    for t in tokens:
+        try:
+            x = (torch.randn(t, net.cfg.hidden_size, generator=g, device=device) * 0.5).to(torch.bfloat16)
+            with torch.no_grad():
+                ids, w = moe.gate.select(x)
+                run = lambda x=x, ids=ids, w=w: moe.stacked_experts(x, ids, w)  # noqa: E731
+                stream = torch.cuda.Stream()
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):
+                    run()
+                torch.cuda.current_stream().wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    run()
+            out[t] = median_step_us(graph.replay, replays)
+        except (RuntimeError, torch.OutOfMemoryError) as e:  # the sweep goes on
+            print(f"experts alone at T={t}: FAILED ({str(e).splitlines()[0][:120]})", flush=True)
+        torch.cuda.empty_cache()
+    return out
+
+
+def dp_ep_rows(decode: dict, graph_rows: dict, experts_us: dict[int, float], cfg: ModelConfig,
+               seqs_held) -> list[dict]:
+    """The attention-DP + EP8 model's rows (module docstring): per measured (B, context) with the
+    experts alone at B and 8B tokens; ``seqs_held(context)``: sequences of that length a GPU's
+    cache holds. Pure arithmetic over the measured numbers (tests/test_bench_realdims_model.py)."""
+    rows = []
+    for (b, ctx), (eager_kinds, _, _) in sorted(decode.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        g = graph_rows.get((b, ctx), {})
+        per_kind, source = (g["per_kind"], "graph") if "per_kind" in g else (eager_kinds, "eager")
+        if "MoE" not in per_kind or b not in experts_us or WORLD * b not in experts_us:
+            continue
+        held = seqs_held(ctx)
+        row = {"b": b, "ctx": ctx, "source": source, "held": held}
+        if b > held:
+            rows.append(row)
+            continue
+        layer_us = {kind: sum(cats.values()) for kind, cats in per_kind.items()}
+        moe = per_kind["MoE"]["MoE"] - experts_us[b] + experts_us[WORLD * b] / WORLD
+        comm = 2 * b * cfg.num_experts_per_tok * cfg.hidden_size * 2 * (WORLD - 1) / WORLD / NVLINK_BPS * 1e6
+        moe_layer = layer_us["MoE"] - per_kind["MoE"]["MoE"] + moe + comm
+        dense_layer = layer_us.get("dense", moe_layer)
+        step = FULL_DENSE * dense_layer + (FULL_LAYERS - FULL_DENSE) * moe_layer
+        row.update(step_us=step, comm_us=(FULL_LAYERS - FULL_DENSE) * comm, moe_us=moe,
+                   tok_s_per_gpu=b / (step / 1e6), per_user=1e6 / step)
+        rows.append(row)
+    return rows
+
+
+def model_8gpu_dp(decode: dict, graph_rows: dict, experts_us: dict[int, float], cfg: ModelConfig) -> None:
+    from dsa_trt.plan import load_config, make_plan
+
+    full = load_config(REAL_CONFIG)
+    plan = make_plan(full, tp=1, ep=WORLD, gpu_memory_gb=141.0)
+    print(f"\nmodelled V3.2 decode on 8 H200s, attention data-parallel + EP8 (dsa_trt/plan.py tp=1 ep=8: "
+          f"{plan.ranks[0].weight_bytes / 1e9:.1f} GB of weights and {plan.tokens_per_group:,} cache tokens per GPU, "
+          f"fits {plan.fits}): per GPU B sequences, its attention as measured at B, its 32 experts fed 1/8 of the "
+          f"node's 8B tokens' pairs (experts alone, µs: "
+          + ", ".join(f"T={t} {us:.1f}" for t, us in sorted(experts_us.items())) + "); dispatch + combine over "
+          "NVLink at 450 GB/s, not overlapped; embedding, final norm and lm_head not counted")
+    print("| context | batch per GPU | layers from | step ms | of it comms ms | routed MoE per layer µs | "
+          "output tok/s per GPU | per user tok/s |")
+    print("|---|---:|---|---:|---:|---:|---:|---:|")
+    for r in dp_ep_rows(decode, graph_rows, experts_us, cfg, lambda ctx: plan.tokens_per_group // ctx):
+        if "step_us" not in r:
+            print(f"| {tokens_label(r['ctx'])} | {r['b']} | {r['source']} | does not fit: a GPU's cache holds "
+                  f"{r['held']} sequences of {tokens_label(r['ctx'])} | | | | |")
+            continue
+        print(f"| {tokens_label(r['ctx'])} | {r['b']} | {r['source']} | {r['step_us'] / 1e3:.2f} | "
+              f"{r['comm_us'] / 1e3:.2f} | {r['moe_us']:.1f} | {r['tok_s_per_gpu']:,.0f} | {r['per_user']:.1f} |")
+    print(PEERS)
 
 
 def model_8gpu(decode: dict, graph_rows: dict, cfg: ModelConfig) -> None:

@@ -1,0 +1,64 @@
+"""The attention-DP + EP8 decode model of benchmarks/bench_realdims.py (issue 25 item 7): its
+arithmetic over measured per-layer numbers, and the plan it caps the batch with. CPU only: the
+numbers here are made up; the H200 run feeds it measured ones."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_realdims", ROOT / "benchmarks" / "bench_realdims.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _cats(indexer, mla, linears, moe, rest):
+    return {"DSA indexer + top-k": indexer, "DSA sparse MLA": mla, "linears": linears, "MoE": moe, "rest": rest}
+
+
+def test_dp_ep_rows_arithmetic(bench):
+    from dsa_trt.plan import load_config
+
+    cfg = load_config(bench.REAL_CONFIG)
+    per_kind = {"dense": _cats(10, 20, 300, 0, 70), "MoE": _cats(10, 20, 100, 1000, 70)}
+    decode = {(32, 4096): ({}, 0, 0.0), (128, 4096): ({}, 0, 0.0)}
+    graph_rows = {(32, 4096): {"per_kind": per_kind}}  # (128, 4096): eager rows, empty -> skipped
+    experts = {32: 900.0, 256: 2400.0}
+    rows = bench.dp_ep_rows(decode, graph_rows, experts, cfg, lambda ctx: 1000)
+    assert len(rows) == 1
+    r = rows[0]
+    moe = 1000 - 900 + 2400 / 8  # router + shared-free MoE: row's MoE - experts(B) + experts(8B) / 8
+    comm = 2 * 32 * 8 * 7168 * 2 * 7 / 8 / 450e9 * 1e6
+    moe_layer = 10 + 20 + 100 + 70 + moe + comm
+    step = 3 * 400 + 58 * moe_layer
+    assert r["source"] == "graph" and r["moe_us"] == pytest.approx(moe)
+    assert r["step_us"] == pytest.approx(step)
+    assert r["comm_us"] == pytest.approx(58 * comm)
+    assert r["tok_s_per_gpu"] == pytest.approx(32 / (step / 1e6))
+
+
+def test_dp_ep_rows_refuse_what_the_cache_cannot_hold(bench):
+    from dsa_trt.plan import load_config
+
+    cfg = load_config(bench.REAL_CONFIG)
+    per_kind = {"MoE": _cats(1, 1, 1, 1, 1)}
+    rows = bench.dp_ep_rows({(128, 32768): (per_kind, 0, 0.0)}, {}, {128: 1.0, 1024: 1.0}, cfg, lambda ctx: 27)
+    assert rows == [{"b": 128, "ctx": 32768, "source": "eager", "held": 27}]
+
+
+def test_dp_ep_plan_fits_v32(bench):
+    """The plan the model uses: V3.2 on 8 x 141 GB with attention replicated per GPU and 32 experts
+    each fits, and its cache holds 128 sequences of 4K on a GPU (the model's B=128 rows at 4K)."""
+    from dsa_trt.plan import load_config, make_plan
+
+    plan = make_plan(load_config(bench.REAL_CONFIG), tp=1, ep=8, gpu_memory_gb=141.0)
+    assert plan.fits and plan.dp == 8
+    assert plan.tokens_per_group // 4096 >= 128
