@@ -389,15 +389,10 @@ static int launch_grouped_tma(const uint8_t* w, const float* ws, int e_local, in
   WsArgs g{};
   g.w_scale = ws;
   g.out = out;
-  g.out_stride = n;
-  g.rows = pairs;
+  g.out_stride = n;  // bf16 rows (one split: the grouped units read no split fields)
   g.n = n;
   g.nkb = nkb;
   g.w_tiles = static_cast<int>(dsa_ceil_div(n, kTileM));
-  g.t_tiles = plan.max_tiles;
-  g.t_groups = plan.max_tiles;
-  g.splits = 1;
-  g.kb_per_split = nkb;
   g.vec_store = (reinterpret_cast<uintptr_t>(out) & 15) == 0 && n % 8 == 0;
   g.tile_expert = tile_expert;
   g.tile_start = tile_start;
@@ -432,6 +427,36 @@ static int launch_grouped_bn(int bn, const GemmArgs& g, int max_tiles, cudaStrea
     case 64: return launch_grouped<64>(g, max_tiles, stream);
     default: return launch_grouped<128>(g, max_tiles, stream);
   }
+}
+
+// The cp.async grouped GEMM (legacy path): out[q, n] = bf16 rows of a (row a_index[q], or q) against
+// the n < N rows of their expert's weight (w: [E_local][N, K] e4m3, ws: [E_local][ceil(N/128), nkb]);
+// as: the scales [rows, nkb].
+static int launch_grouped_cp(const uint8_t* w, const float* ws, int n, int k, const uint8_t* a, const float* as,
+                             const int32_t* a_index, uint16_t* out, const MoePlan& plan, const int32_t* tile_expert,
+                             const int32_t* tile_start, const int32_t* offsets, const int32_t* num_tiles,
+                             cudaStream_t stream) {
+  const int nkb = static_cast<int>(dsa_ceil_div(k, kBlock));
+  GemmArgs g{};
+  g.w = w;
+  g.w_scale = ws;
+  g.n = n;
+  g.k = k;
+  g.nkb = nkb;
+  g.w_expert_stride = static_cast<int64_t>(n) * k;
+  g.ws_expert_stride = dsa_ceil_div(n, kBlock) * nkb;
+  g.a = a;
+  g.a_scale = as;
+  g.a_stride = static_cast<int64_t>(nkb) * kBlock;
+  g.a_index = a_index;
+  g.out = out;
+  g.out_stride = n;
+  g.vec_store = n % 8 == 0;
+  g.tile_expert = tile_expert;
+  g.tile_start = tile_start;
+  g.expert_offsets = offsets;
+  g.num_tiles = num_tiles;
+  return launch_grouped_bn(plan.bn, g, plan.max_tiles, stream);
 }
 
 }  // namespace dsa_moe
@@ -522,86 +547,46 @@ extern "C" int dsa_launch_moe_experts(const DsaMoeExpertsParams* p, cudaStream_t
   DSA_CUDA_CHECK_LAUNCH();
 
   const unsigned swiglu_blocks = static_cast<unsigned>(dsa_ceil_div(pairs * plan.nkb_i * 32, 256));
-  if (fp8 && plan.tma) {
-    uint8_t* qx = at(plan.off_qx);
-    float* sx = reinterpret_cast<float*>(at(plan.off_sx));
-    uint8_t* qxs = at(plan.off_qxs);
-    float* sxs = reinterpret_cast<float*>(at(plan.off_sxs));
-    uint8_t* qh = at(plan.off_qh);
-    float* sh = reinterpret_cast<float*>(at(plan.off_sh));
-    const uint8_t* w13 = static_cast<const uint8_t*>(p->w13);
-    const uint8_t* w2 = static_cast<const uint8_t*>(p->w2);
-    // 2. x -> e4m3 once per token, 2'. its rows per position, in the sorted order
-    moe_act_quant_kernel<<<static_cast<unsigned>(dsa_ceil_div(p->num_tokens * plan.nkb_d * 32, 256)), 256, 0,
-                           stream>>>(static_cast<const uint16_t*>(p->x), p->num_tokens, D, plan.nkb_d, qx, sx,
-                                     p->pow2_act_scales, (reinterpret_cast<uintptr_t>(p->x) & 7) == 0);
-    DSA_CUDA_CHECK_LAUNCH();
-    moe_gather_rows_kernel<<<static_cast<unsigned>(dsa_ceil_div(pairs * plan.nkb_d * (kBlock / 16), 256)), 256, 0,
-                             stream>>>(qx, sx, pairs, total, sorted_token, plan.nkb_d, qxs, sxs, plan.p_pad);
-    DSA_CUDA_CHECK_LAUNCH();
-    // 3. gate | up
-    st = launch_grouped_tma(w13, p->w13_scale, E, 2 * I, D, qxs, sxs, pairs, plan.p_pad, gu, plan, tile_expert,
-                            tile_start, offsets, num_tiles, stream);
-    if (st != DSA_OK) return st;
-    // 4. h = e4m3(bf16(silu(gate) * up)), scales transposed
-    moe_swiglu_kernel<<<swiglu_blocks, 256, 0, stream>>>(gu, pairs, total, I, plan.nkb_i, qh, sh, 1, plan.p_pad,
-                                                         nullptr, p->pow2_act_scales, 1);  // I % 16 == 0
-    DSA_CUDA_CHECK_LAUNCH();
-    // 5. down
-    st = launch_grouped_tma(w2, p->w2_scale, E, D, I, qh, sh, pairs, plan.p_pad, y, plan, tile_expert, tile_start,
-                            offsets, num_tiles, stream);
-    if (st != DSA_OK) return st;
-  } else if (fp8) {
+  if (fp8) {
     uint8_t* qx = at(plan.off_qx);
     float* sx = reinterpret_cast<float*>(at(plan.off_sx));
     uint8_t* qh = at(plan.off_qh);
     float* sh = reinterpret_cast<float*>(at(plan.off_sh));
-    // 2. x -> e4m3
+    // one expert GEMM of the plan's path: out[q, n] = x rows a (through a_index) against w / ws
+    auto expert_gemm = [&](const void* w, const float* ws, int n, int k, const uint8_t* a, const float* as,
+                           const int32_t* a_index, uint16_t* out) {
+      return plan.tma ? launch_grouped_tma(static_cast<const uint8_t*>(w), ws, E, n, k, a, as, pairs, plan.p_pad, out,
+                                           plan, tile_expert, tile_start, offsets, num_tiles, stream)
+                      : launch_grouped_cp(static_cast<const uint8_t*>(w), ws, n, k, a, as, a_index, out, plan,
+                                          tile_expert, tile_start, offsets, num_tiles, stream);
+    };
+    // 2. x -> e4m3, once per token
     moe_act_quant_kernel<<<static_cast<unsigned>(dsa_ceil_div(p->num_tokens * plan.nkb_d * 32, 256)), 256, 0,
                            stream>>>(static_cast<const uint16_t*>(p->x), p->num_tokens, D, plan.nkb_d, qx, sx,
                                      p->pow2_act_scales, (reinterpret_cast<uintptr_t>(p->x) & 7) == 0);
     DSA_CUDA_CHECK_LAUNCH();
+    const uint8_t* a1 = qx;
+    const float* s1 = sx;
+    const int32_t* a1_index = sorted_token;
+    if (plan.tma) {  // 2'. its rows per position, in the sorted order (scales transposed)
+      uint8_t* qxs = at(plan.off_qxs);
+      float* sxs = reinterpret_cast<float*>(at(plan.off_sxs));
+      moe_gather_rows_kernel<<<static_cast<unsigned>(dsa_ceil_div(pairs * plan.nkb_d * (kBlock / 16), 256)), 256,
+                               0, stream>>>(qx, sx, pairs, total, sorted_token, plan.nkb_d, qxs, sxs, plan.p_pad);
+      DSA_CUDA_CHECK_LAUNCH();
+      a1 = qxs;
+      s1 = sxs;
+      a1_index = nullptr;
+    }
     // 3. gate | up
-    GemmArgs g{};
-    g.w = static_cast<const uint8_t*>(p->w13);
-    g.w_scale = p->w13_scale;
-    g.n = 2 * I;
-    g.k = D;
-    g.nkb = plan.nkb_d;
-    g.w_expert_stride = static_cast<int64_t>(2 * I) * D;
-    g.ws_expert_stride = dsa_ceil_div(2 * I, kBlock) * plan.nkb_d;
-    g.a = qx;
-    g.a_scale = sx;
-    g.a_stride = static_cast<int64_t>(plan.nkb_d) * kBlock;
-    g.a_index = sorted_token;
-    g.out = gu;
-    g.out_stride = 2 * I;
-    g.vec_store = (2 * I) % 8 == 0;
-    g.tile_expert = tile_expert;
-    g.tile_start = tile_start;
-    g.expert_offsets = offsets;
-    g.num_tiles = num_tiles;
-    if ((st = launch_grouped_bn(plan.bn, g, plan.max_tiles, stream)) != DSA_OK) return st;
-    // 4. h = e4m3(bf16(silu(gate) * up))
-    moe_swiglu_kernel<<<swiglu_blocks, 256, 0, stream>>>(gu, pairs, total, I, plan.nkb_i, qh, sh, plan.nkb_i, 1,
-                                                         nullptr, p->pow2_act_scales, 1);  // I % 16 == 0
+    if ((st = expert_gemm(p->w13, p->w13_scale, 2 * I, D, a1, s1, a1_index, gu)) != DSA_OK) return st;
+    // 4. h = e4m3(bf16(silu(gate) * up)); scales [P, nkb] (legacy) or transposed [nkb, p_pad] (tma)
+    moe_swiglu_kernel<<<swiglu_blocks, 256, 0, stream>>>(gu, pairs, total, I, plan.nkb_i, qh, sh,
+                                                         plan.tma ? 1 : plan.nkb_i, plan.tma ? plan.p_pad : 1, nullptr,
+                                                         p->pow2_act_scales, 1);  // I % 16 == 0
     DSA_CUDA_CHECK_LAUNCH();
     // 5. down
-    g.w = static_cast<const uint8_t*>(p->w2);
-    g.w_scale = p->w2_scale;
-    g.n = D;
-    g.k = I;
-    g.nkb = plan.nkb_i;
-    g.w_expert_stride = static_cast<int64_t>(D) * I;
-    g.ws_expert_stride = dsa_ceil_div(D, kBlock) * plan.nkb_i;
-    g.a = qh;
-    g.a_scale = sh;
-    g.a_stride = static_cast<int64_t>(plan.nkb_i) * kBlock;
-    g.a_index = nullptr;
-    g.out = y;
-    g.out_stride = D;
-    g.vec_store = D % 8 == 0;
-    if ((st = launch_grouped_bn(plan.bn, g, plan.max_tiles, stream)) != DSA_OK) return st;
+    if ((st = expert_gemm(p->w2, p->w2_scale, D, I, qh, sh, nullptr, y)) != DSA_OK) return st;
   } else {
     uint16_t* h = reinterpret_cast<uint16_t*>(at(plan.off_qh));
     DSA_CHECK_SUPPORTED(dsa_ceil_div(std::max(2 * I, D), 8) <= 65535,
