@@ -6,8 +6,8 @@ on the GPU with TF32 off for the real V3.2 shapes at T >= 129 (the same fp32 rec
 take minutes). Runs on the H200; skips without CUDA. The reference itself is checked against the
 float64 recipe in tests/test_fp8_ops.py.
 
-Every GEMM of the linear is forced in turn (DSA_FP8_LINEAR_PATH = tma, tma-nomc, tma-pipe, tma-swap,
-legacy; the kernel library reads it at each launch) on designed shapes: partial N and K blocks
+Every GEMM of the linear is forced in turn (DSA_FP8_LINEAR_PATH = tma, tma-nomc, tma-pipe,
+tma-deep, tma-swap, legacy; the kernel library reads it at each launch) on designed shapes: partial N and K blocks
 (K a multiple of 16, as the kernels require), T in {1, 3, 64, 129, 300, 4096}, K splits; the
 automatic choice runs every real V3.2 shape (which plan each T gets: tests/test_fp8_linear_plan.py, on any machine).
 
@@ -39,7 +39,7 @@ pytestmark = [
 
 DEV = "cuda"
 PATH_KNOB = "DSA_FP8_LINEAR_PATH"
-LINEAR_PATHS = ["tma", "tma-nomc", "tma-pipe", "tma-swap", "legacy"]
+LINEAR_PATHS = ["tma", "tma-nomc", "tma-pipe", "tma-deep", "tma-swap", "legacy"]
 TC_ACCUMULATION = 2.0**-12  # of sum |x||w|: the fp8 tensor core's running sum (see above)
 
 # V3.2 (N, K): q_a, q_b, kv_a, kv_b, o_proj, indexer wq_b, dense gate+up, dense down

@@ -113,9 +113,12 @@ struct WsArgs {
   int s_box;
 };
 
-template <bool kSwap, int BT>
+// kDeep (prefill, DSA_FP8_LINEAR_PATH=tma-deep): no bf16 staging; the epilogue stores from the
+// registers, which frees the shared memory of a sixth stage.
+template <bool kSwap, int BT, bool kDeep = false>
 struct WsTile {
   static_assert(kSwap ? (BT == 8 || BT == 16 || BT == 32 || BT == 64) : BT == 128, "token tile width");
+  static_assert(!(kSwap && kDeep), "the deep ring is the prefill tile's");
   static constexpr int kW = kTileM * kBlock;  // weight tile bytes (16 KB)
   static constexpr int kX = BT * kBlock;      // token tile bytes (a multiple of 1024)
   static constexpr int kS = 1024;             // BT scales, padded so stages stay 1024-aligned
@@ -125,10 +128,10 @@ struct WsTile {
   // bf16 staging: kSwap, [BT tokens][128 weight rows + pad] (transposed); else per consumer
   // warpgroup [64 tokens][128 weight rows + pad]
   static constexpr int kEpiRows = kSwap ? BT : 2 * 64;
-  static constexpr int kEpi = kEpiRows * (kTileM + kEpiPad) * 2;
+  static constexpr int kEpi = kDeep ? 0 : kEpiRows * (kTileM + kEpiPad) * 2;
   // Decode streams the weight: as many stages as fit (8..12, 128-192 KB of loads in flight per
   // SM, and as much weight prefetched while the quantiser runs); prefill needs fewer.
-  static constexpr int kStages = kSwap ? (220 * 1024 - kEpi) / kStage : 5;
+  static constexpr int kStages = kSwap ? (220 * 1024 - kEpi) / kStage : kDeep ? 6 : 5;
   static constexpr int kBars = 2 * kStages * 8;
   static constexpr int kSmem = kStages * kStage + kEpi + kBars + 1024;  // + alignment slack
   static_assert((BT + 4) * 4 <= kS, "scales must fit their slot");
@@ -250,11 +253,11 @@ __device__ __forceinline__ Unit unit_of(const WsArgs& g, int u, int rank) {
 // kMc = 2: this CTA (rank) loads its token tile, its scales and weight rows [64 rank, +64) of the
 // shared weight tile, the latter multicast into both CTAs; a stage is refilled once the consumers
 // of both CTAs released it (each consumer warp arrives on both CTAs' empty barriers).
-template <bool kSwap, int BT, int kMc>
+template <bool kSwap, int BT, int kMc, bool kDeep>
 __device__ __forceinline__ void producer(const WsArgs& g, const CUtensorMap* map_w, const CUtensorMap* map_x,
                                          const CUtensorMap* map_s, uint8_t* smem, uint32_t full0, uint32_t empty0,
                                          int units, int cluster, int clusters, int rank) {
-  using L = WsTile<kSwap, BT>;
+  using L = WsTile<kSwap, BT, kDeep>;
   constexpr int S = L::kStages;
   const uint32_t base = smem_u32(smem);
   tma_prefetch_desc(map_w);
@@ -308,10 +311,10 @@ __device__ __forceinline__ void producer(const WsArgs& g, const CUtensorMap* map
 // while it promotes, releases and waits for the next stage. Without it both warpgroups wait on
 // the same full barrier, issue, drain (wait<0>) and promote in lock-step, and the tensor cores
 // idle for every promotion. Costs 64 more registers per thread (3 x 64 fp32 of 232).
-template <bool kSwap, int BT, bool kF32Out, int kMc, bool kPipe>
+template <bool kSwap, int BT, bool kF32Out, int kMc, bool kPipe, bool kDeep>
 __device__ __forceinline__ void consumer(const WsArgs& g, uint8_t* smem, uint32_t full0, uint32_t empty0, int units,
                                          int c, int cluster, int clusters, int rank) {
-  using L = WsTile<kSwap, BT>;
+  using L = WsTile<kSwap, BT, kDeep>;
   constexpr int S = L::kStages, R = L::kAcc;
   constexpr int kOutRow = kTileM + kEpiPad;
   const int ct = threadIdx.x - 128 * (c + 1), warp = ct >> 5, lane = ct & 31;
@@ -466,6 +469,27 @@ __device__ __forceinline__ void consumer(const WsArgs& g, uint8_t* smem, uint32_
           }
         }
       }
+    } else if constexpr (kDeep) {
+      // bf16 pairs straight from the registers: a warp's store writes 16 bytes of 8 rows
+      uint16_t* out = static_cast<uint16_t*>(g.out);
+#pragma unroll
+      for (int j = 0; j < R / 4; ++j) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int64_t t = t0 + r_lo + 8 * h;
+          const int n = n0 + 8 * j + 2 * quad;
+          if (t >= t_end || n >= g.n) continue;
+          const uint16_t lo = float_to_bf16_bits(total[4 * j + 2 * h]);
+          const uint16_t hi = float_to_bf16_bits(total[4 * j + 2 * h + 1]);
+          uint16_t* dst = out + t * g.out_stride + n;
+          if (g.vec_store && n + 1 < g.n) {  // n even, out 16-aligned, out_stride % 8 == 0: 4-aligned
+            *reinterpret_cast<uint32_t*>(dst) = static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
+          } else {
+            dst[0] = lo;
+            if (n + 1 < g.n) dst[1] = hi;
+          }
+        }
+      }
     } else {
       // stage bf16 [token][weight row] in shared memory, then 16-byte row segments to global
       uint16_t* tile = kSwap ? epi : epi + c * 64 * kOutRow;
@@ -508,12 +532,12 @@ __device__ __forceinline__ void consumer(const WsArgs& g, uint8_t* smem, uint32_
   }
 }
 
-template <bool kSwap, int BT, bool kF32Out, int kMc, bool kPipe = false>
+template <bool kSwap, int BT, bool kF32Out, int kMc, bool kPipe = false, bool kDeep = false>
 __global__ void __launch_bounds__(kThreads, 1)
     fp8_gemm_ws_kernel(const WsArgs g, const __grid_constant__ CUtensorMap map_w,
                        const __grid_constant__ CUtensorMap map_x, const __grid_constant__ CUtensorMap map_s) {
   static_assert(kMc == 1 || (kMc == 2 && !kSwap), "multicast pairs prefill CTAs only");
-  using L = WsTile<kSwap, BT>;
+  using L = WsTile<kSwap, BT, kDeep>;
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = dsa_fp8::align_smem_1024(smem_raw);
   const uint32_t full0 = smem_u32(smem + L::kStages * L::kStage + L::kEpi);
@@ -538,7 +562,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (threadIdx.x < 128) {
     setmaxnreg_dec<kProducerRegs>();
     if (threadIdx.x == 0)
-      producer<kSwap, BT, kMc>(g, &map_w, &map_x, &map_s, smem, full0, empty0, units, cluster, clusters, rank);
+      producer<kSwap, BT, kMc, kDeep>(g, &map_w, &map_x, &map_s, smem, full0, empty0, units, cluster, clusters, rank);
     // the rest of the producer warpgroup has no work (its dependents may launch: no global access)
     else asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
   } else {
@@ -546,7 +570,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     // Consumers read only what the producer's TMA loads (ordered by the mbarriers) and w_scale
     // (not written by the quantiser); their output stores follow the producer's wait.
     asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-    consumer<kSwap, BT, kF32Out, kMc, kPipe>(g, smem, full0, empty0, units, threadIdx.x / 128 - 1, cluster, clusters, rank);
+    consumer<kSwap, BT, kF32Out, kMc, kPipe, kDeep>(g, smem, full0, empty0, units, threadIdx.x / 128 - 1, cluster, clusters, rank);
   }
   // No CTA leaves while its peer may still arrive on its barriers (every multicast into this CTA
   // was consumed here already: its consumers waited for the stages).
