@@ -3,7 +3,7 @@ picks, + the split-K reduce when it splits K) on DeepSeek-V3.2's shapes, beside 
 matmul and torch._scaled_mm with DeepSeek block scaling (cuBLASLt; 1x128 activations, 128x128
 weights) on the same inputs in the same run. The "path" column is the plan of each row
 (dsa_fp8_block_linear_path: GEMM, tile of weight rows x tokens, K splits); DSA_FP8_LINEAR_PATH
-(tma, tma-nomc, tma-pipe, tma-deep, tma-swap, legacy), or --path, forces one GEMM for a whole run. The
+(tma, tma-nomc, tma-pipe, tma-store, tma-swap, legacy), or --path, forces one GEMM for a whole run. The
 operator runs through torch.ops.dsa.fp8_block_linear (the C++ binding: `make kernels torch-ops`).
 
 Method (as the other benchmarks, timing.py): random inputs; before every timed call an L2 flush
@@ -102,7 +102,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help=f"T in {QUICK_TOKENS} only")
     ap.add_argument("--md", type=str, default=None)
     ap.add_argument("--path", type=str, default=None,
-                    help="DSA_FP8_LINEAR_PATH for this run (auto, tma, tma-nomc, tma-pipe, tma-deep, tma-swap, legacy)")
+                    help="DSA_FP8_LINEAR_PATH for this run (auto, tma, tma-nomc, tma-pipe, tma-store, tma-swap, legacy)")
     args = ap.parse_args()
     if args.path is not None:
         os.environ["DSA_FP8_LINEAR_PATH"] = args.path  # the library reads it at every launch

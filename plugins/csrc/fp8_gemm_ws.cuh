@@ -56,8 +56,9 @@
 // (griddepcontrol.wait) and loads the activations; decode's weight stream starts while the
 // quantiser runs.
 //
-// Epilogue: bf16 through shared memory (16-byte row-segment stores), or fp32 partials of a K
-// split straight from registers (the reduce kernel sums them in split order: deterministic).
+// Epilogue: bf16 through shared memory (16-byte row-segment stores, or with kTmaStore TMA stores
+// through map_o, the bf16 output [T, N]; unused otherwise), or fp32 partials of a K split
+// straight from registers (the reduce kernel sums them in split order: deterministic).
 //
 // Grouped (the MoE's expert GEMMs, moe_experts.cu; prefill tile, no pairs, one split): the weight
 // map is every local expert's [N, K] stacked ([E N, K]), the token map the expert-sorted rows.
@@ -113,12 +114,13 @@ struct WsArgs {
   int s_box;
 };
 
-// kDeep (prefill, DSA_FP8_LINEAR_PATH=tma-deep): no bf16 staging; the epilogue stores from the
-// registers, which frees the shared memory of a sixth stage.
-template <bool kSwap, int BT, bool kDeep = false>
+// kTmaStore (the linear's prefill tile, bf16 out, DSA_FP8_LINEAR_PATH=tma-store): the staging
+// tile is [2 column halves][64 rows][64 columns] per consumer warpgroup, 128-byte swizzled, and
+// one thread stores it with two TMA stores instead of 128 threads' row segments.
+template <bool kSwap, int BT, bool kTmaStore = false>
 struct WsTile {
   static_assert(kSwap ? (BT == 8 || BT == 16 || BT == 32 || BT == 64) : BT == 128, "token tile width");
-  static_assert(!(kSwap && kDeep), "the deep ring is the prefill tile's");
+  static_assert(!(kSwap && kTmaStore), "the TMA-store epilogue is the prefill tile's");
   static constexpr int kW = kTileM * kBlock;  // weight tile bytes (16 KB)
   static constexpr int kX = BT * kBlock;      // token tile bytes (a multiple of 1024)
   static constexpr int kS = 1024;             // BT scales, padded so stages stay 1024-aligned
@@ -128,10 +130,10 @@ struct WsTile {
   // bf16 staging: kSwap, [BT tokens][128 weight rows + pad] (transposed); else per consumer
   // warpgroup [64 tokens][128 weight rows + pad]
   static constexpr int kEpiRows = kSwap ? BT : 2 * 64;
-  static constexpr int kEpi = kDeep ? 0 : kEpiRows * (kTileM + kEpiPad) * 2;
+  static constexpr int kEpi = kTmaStore ? 2 * 64 * kTileM * 2 : kEpiRows * (kTileM + kEpiPad) * 2;
   // Decode streams the weight: as many stages as fit (8..12, 128-192 KB of loads in flight per
   // SM, and as much weight prefetched while the quantiser runs); prefill needs fewer.
-  static constexpr int kStages = kSwap ? (220 * 1024 - kEpi) / kStage : kDeep ? 6 : 5;
+  static constexpr int kStages = kSwap ? (220 * 1024 - kEpi) / kStage : 5;
   static constexpr int kBars = 2 * kStages * 8;
   static constexpr int kSmem = kStages * kStage + kEpi + kBars + 1024;  // + alignment slack
   static_assert((BT + 4) * 4 <= kS, "scales must fit their slot");
@@ -180,6 +182,20 @@ __device__ __forceinline__ void tma_load_2d_multicast(uint32_t dst, const CUtens
       "l"(reinterpret_cast<uint64_t>(map)), "r"(bar), "r"(c0), "r"(c1), "h"(mask)
       : "memory");
 }
+// Shared memory -> a 2-D tensor box (c0 inner, c1 outer), clipped at the tensor's bounds, in this
+// thread's bulk group; the writes before it reach the async proxy through fence_proxy_async.
+__device__ __forceinline__ void tma_store_2d(const CUtensorMap* map, uint32_t src, int c0, int c1) {
+  asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%2, %3}], [%1];" ::"l"(
+                   reinterpret_cast<uint64_t>(map)),
+               "r"(src), "r"(c0), "r"(c1)
+               : "memory");
+}
+__device__ __forceinline__ void tma_store_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+// This thread's bulk groups have read their shared memory (it may be rewritten).
+__device__ __forceinline__ void tma_store_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
+// This thread's bulk groups have completed.
+__device__ __forceinline__ void tma_store_wait() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
 // Arrive on the barrier at `bar`'s offset in cluster CTA `rank`, with the default release.cta
 // semantics. release.cluster compiles to MEMBAR.ALL.GPU before every arrive: once per K block
 // and peer in each consumer warp, it was the largest stall of the prefill tiles (ncu on the H200:
@@ -253,11 +269,11 @@ __device__ __forceinline__ Unit unit_of(const WsArgs& g, int u, int rank) {
 // kMc = 2: this CTA (rank) loads its token tile, its scales and weight rows [64 rank, +64) of the
 // shared weight tile, the latter multicast into both CTAs; a stage is refilled once the consumers
 // of both CTAs released it (each consumer warp arrives on both CTAs' empty barriers).
-template <bool kSwap, int BT, int kMc, bool kDeep>
+template <bool kSwap, int BT, int kMc, bool kTmaStore>
 __device__ __forceinline__ void producer(const WsArgs& g, const CUtensorMap* map_w, const CUtensorMap* map_x,
                                          const CUtensorMap* map_s, uint8_t* smem, uint32_t full0, uint32_t empty0,
                                          int units, int cluster, int clusters, int rank) {
-  using L = WsTile<kSwap, BT, kDeep>;
+  using L = WsTile<kSwap, BT, kTmaStore>;
   constexpr int S = L::kStages;
   const uint32_t base = smem_u32(smem);
   tma_prefetch_desc(map_w);
@@ -311,10 +327,10 @@ __device__ __forceinline__ void producer(const WsArgs& g, const CUtensorMap* map
 // while it promotes, releases and waits for the next stage. Without it both warpgroups wait on
 // the same full barrier, issue, drain (wait<0>) and promote in lock-step, and the tensor cores
 // idle for every promotion. Costs 64 more registers per thread (3 x 64 fp32 of 232).
-template <bool kSwap, int BT, bool kF32Out, int kMc, bool kPipe, bool kDeep>
-__device__ __forceinline__ void consumer(const WsArgs& g, uint8_t* smem, uint32_t full0, uint32_t empty0, int units,
-                                         int c, int cluster, int clusters, int rank) {
-  using L = WsTile<kSwap, BT, kDeep>;
+template <bool kSwap, int BT, bool kF32Out, int kMc, bool kPipe, bool kTmaStore>
+__device__ __forceinline__ void consumer(const WsArgs& g, const CUtensorMap* map_o, uint8_t* smem, uint32_t full0,
+                                         uint32_t empty0, int units, int c, int cluster, int clusters, int rank) {
+  using L = WsTile<kSwap, BT, kTmaStore>;
   constexpr int S = L::kStages, R = L::kAcc;
   constexpr int kOutRow = kTileM + kEpiPad;
   const int ct = threadIdx.x - 128 * (c + 1), warp = ct >> 5, lane = ct & 31;
@@ -469,26 +485,32 @@ __device__ __forceinline__ void consumer(const WsArgs& g, uint8_t* smem, uint32_
           }
         }
       }
-    } else if constexpr (kDeep) {
-      // bf16 pairs straight from the registers: a warp's store writes 16 bytes of 8 rows
-      uint16_t* out = static_cast<uint16_t*>(g.out);
+    } else if constexpr (kTmaStore) {
+      // bf16 pairs into the swizzled staging tile (16-byte chunk q of row r at q ^ (r & 7), as
+      // SWIZZLE_128B reads it: a warp's 32 stores hit 32 banks), then two 64 x 64 TMA stores;
+      // rows past T and columns past N are clipped by the tensor map
+      uint8_t* tile = reinterpret_cast<uint8_t*>(epi) + c * 64 * kTileM * 2;
+      const uint32_t bar_id = 2 + c;
+      if (ct == 0) tma_store_wait_read();  // the previous unit's stores have read the tile
+      named_bar_sync(bar_id, 128);
 #pragma unroll
       for (int j = 0; j < R / 4; ++j) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          const int64_t t = t0 + r_lo + 8 * h;
-          const int n = n0 + 8 * j + 2 * quad;
-          if (t >= t_end || n >= g.n) continue;
-          const uint16_t lo = float_to_bf16_bits(total[4 * j + 2 * h]);
-          const uint16_t hi = float_to_bf16_bits(total[4 * j + 2 * h + 1]);
-          uint16_t* dst = out + t * g.out_stride + n;
-          if (g.vec_store && n + 1 < g.n) {  // n even, out 16-aligned, out_stride % 8 == 0: 4-aligned
-            *reinterpret_cast<uint32_t*>(dst) = static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
-          } else {
-            dst[0] = lo;
-            if (n + 1 < g.n) dst[1] = hi;
-          }
+          const int r = r_lo - 64 * c + 8 * h;
+          const uint32_t v = static_cast<uint32_t>(float_to_bf16_bits(total[4 * j + 2 * h])) |
+                             (static_cast<uint32_t>(float_to_bf16_bits(total[4 * j + 2 * h + 1])) << 16);
+          *reinterpret_cast<uint32_t*>(tile + (j >> 3) * 64 * 128 + r * 128 + (((j & 7) ^ (r & 7)) << 4) + 4 * quad) =
+              v;
         }
+      }
+      fence_proxy_async();  // this thread's tile writes, visible to the TMA unit
+      named_bar_sync(bar_id, 128);
+      const int64_t row0 = t0 + 64 * c;
+      if (ct == 0 && row0 < t_end) {
+        tma_store_2d(map_o, smem_u32(tile), n0, static_cast<int>(row0));
+        if (n0 + 64 < g.n) tma_store_2d(map_o, smem_u32(tile + 64 * 128), n0 + 64, static_cast<int>(row0));
+        tma_store_commit();
       }
     } else {
       // stage bf16 [token][weight row] in shared memory, then 16-byte row segments to global
@@ -530,14 +552,18 @@ __device__ __forceinline__ void consumer(const WsArgs& g, uint8_t* smem, uint32_
       named_bar_sync(bar_id, bar_threads);  // the staging tile is free for the next unit
     }
   }
+  if constexpr (kTmaStore) {
+    if (ct == 0) tma_store_wait();  // the CTA's shared memory outlives the last stores' reads
+  }
 }
 
-template <bool kSwap, int BT, bool kF32Out, int kMc, bool kPipe = false, bool kDeep = false>
+template <bool kSwap, int BT, bool kF32Out, int kMc, bool kPipe = false, bool kTmaStore = false>
 __global__ void __launch_bounds__(kThreads, 1)
     fp8_gemm_ws_kernel(const WsArgs g, const __grid_constant__ CUtensorMap map_w,
-                       const __grid_constant__ CUtensorMap map_x, const __grid_constant__ CUtensorMap map_s) {
+                       const __grid_constant__ CUtensorMap map_x, const __grid_constant__ CUtensorMap map_s,
+                       const __grid_constant__ CUtensorMap map_o) {
   static_assert(kMc == 1 || (kMc == 2 && !kSwap), "multicast pairs prefill CTAs only");
-  using L = WsTile<kSwap, BT, kDeep>;
+  using L = WsTile<kSwap, BT, kTmaStore>;
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = dsa_fp8::align_smem_1024(smem_raw);
   const uint32_t full0 = smem_u32(smem + L::kStages * L::kStage + L::kEpi);
@@ -562,7 +588,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (threadIdx.x < 128) {
     setmaxnreg_dec<kProducerRegs>();
     if (threadIdx.x == 0)
-      producer<kSwap, BT, kMc, kDeep>(g, &map_w, &map_x, &map_s, smem, full0, empty0, units, cluster, clusters, rank);
+      producer<kSwap, BT, kMc, kTmaStore>(g, &map_w, &map_x, &map_s, smem, full0, empty0, units, cluster, clusters, rank);
     // the rest of the producer warpgroup has no work (its dependents may launch: no global access)
     else asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
   } else {
@@ -570,7 +596,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     // Consumers read only what the producer's TMA loads (ordered by the mbarriers) and w_scale
     // (not written by the quantiser); their output stores follow the producer's wait.
     asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-    consumer<kSwap, BT, kF32Out, kMc, kPipe, kDeep>(g, smem, full0, empty0, units, threadIdx.x / 128 - 1, cluster, clusters, rank);
+    consumer<kSwap, BT, kF32Out, kMc, kPipe, kTmaStore>(g, &map_o, smem, full0, empty0, units, threadIdx.x / 128 - 1, cluster, clusters, rank);
   }
   // No CTA leaves while its peer may still arrive on its barriers (every multicast into this CTA
   // was consumed here already: its consumers waited for the stages).

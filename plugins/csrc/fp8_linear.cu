@@ -20,8 +20,9 @@
 //
 // DSA_FP8_LINEAR_PATH (tests, benchmarks): unset or "auto" picks by T as above; "tma", "tma-nomc"
 // (the prefill tile without pairs), "tma-pipe" (the prefill tile, pairs, its consumers keeping
-// the next K block's wgmmas in flight while promoting: fp8_gemm_ws.cuh kPipe), "tma-deep"
-// (tma-pipe with six stages and the epilogue stored from registers: kDeep), "tma-swap" or
+// the next K block's wgmmas in flight while promoting: fp8_gemm_ws.cuh kPipe), "tma-store"
+// (tma-pipe whose bf16 tiles leave by TMA stores: kTmaStore; unsplit, 16-byte rows, else
+// tma-pipe's epilogue), "tma-swap" or
 // "legacy" forces that GEMM at every T. DSA_FP8_LINEAR_SPLITS=N caps the K splits at N (the
 // deterministic mode sets 1: runtime/knobs.py deterministic_kernels). Both read at every launch.
 #include <stdio.h>
@@ -95,7 +96,7 @@ __global__ void __launch_bounds__(256) splitk_reduce_kernel(const float* __restr
 }
 
 // ---------------------------------------------------------------- plan
-enum class Path { kAuto, kTma, kTmaNoMc, kTmaPipe, kTmaDeep, kTmaSwap, kLegacy };
+enum class Path { kAuto, kTma, kTmaNoMc, kTmaPipe, kTmaStore, kTmaSwap, kLegacy };
 
 constexpr int kSwapMaxTokens = 64;  // the widest swapped token tile
 constexpr int kPlanSms = 132;       // H200 SMs: the plan must not depend on the device (workspace size)
@@ -173,12 +174,12 @@ static LinearPlan plan_linear(int64_t t, int n, int k, Path forced, int max_spli
   p.nkb = static_cast<int>(dsa_ceil_div(std::max(k, 1), kBlock));
   p.path = forced != Path::kAuto ? forced : (t <= kSwapMaxTokens ? Path::kTmaSwap : Path::kTma);
   const bool square = p.path == Path::kTma || p.path == Path::kTmaNoMc || p.path == Path::kTmaPipe ||
-                      p.path == Path::kTmaDeep;
+                      p.path == Path::kTmaStore;
   p.bt = square ? kTileM : std::min(pick_bn(t), p.path == Path::kTmaSwap ? kSwapMaxTokens : kTileM);
   p.w_tiles = static_cast<int>(dsa_ceil_div(n, kTileM));
   p.t_tiles = static_cast<int>(dsa_ceil_div(std::max<int64_t>(t, 1), p.bt));
   // prefill pairs CTAs on adjacent token tiles: each loads half the weight tile for both
-  p.mc = (p.path == Path::kTma || p.path == Path::kTmaPipe || p.path == Path::kTmaDeep) && p.t_tiles >= 2 ? 2 : 1;
+  p.mc = (p.path == Path::kTma || p.path == Path::kTmaPipe || p.path == Path::kTmaStore) && p.t_tiles >= 2 ? 2 : 1;
   p.t_groups = static_cast<int>(dsa_ceil_div(p.t_tiles, p.mc));
   const int64_t tiles = static_cast<int64_t>(p.w_tiles) * p.t_tiles;
   int splits = p.path == Path::kLegacy ? pick_splits_legacy(tiles, p.nkb) : pick_splits_tma(tiles, p.nkb, t, n);
@@ -204,12 +205,12 @@ static int forced_path(Path* out) {
   if (strcmp(e, "tma") == 0) *out = Path::kTma;
   else if (strcmp(e, "tma-nomc") == 0) *out = Path::kTmaNoMc;
   else if (strcmp(e, "tma-pipe") == 0) *out = Path::kTmaPipe;
-  else if (strcmp(e, "tma-deep") == 0) *out = Path::kTmaDeep;
+  else if (strcmp(e, "tma-store") == 0) *out = Path::kTmaStore;
   else if (strcmp(e, "tma-swap") == 0) *out = Path::kTmaSwap;
   else if (strcmp(e, "legacy") == 0) *out = Path::kLegacy;
   else
     return dsa_set_error(DSA_ERR_INVALID_ARG,
-                         "fp8_block_linear: DSA_FP8_LINEAR_PATH=%s unknown (auto, tma, tma-nomc, tma-pipe, tma-deep, "
+                         "fp8_block_linear: DSA_FP8_LINEAR_PATH=%s unknown (auto, tma, tma-nomc, tma-pipe, tma-store, "
                          "tma-swap, legacy)",
                          e);
   return DSA_OK;
@@ -313,11 +314,11 @@ static int resident_clusters(Kernel kernel, int mc, int smem, int dev, int* out)
   return DSA_OK;
 }
 
-template <bool kSwap, int BT, bool kF32Out, int kMc, bool kPipe = false, bool kDeep = false>
+template <bool kSwap, int BT, bool kF32Out, int kMc, bool kPipe = false, bool kTmaStore = false>
 static int launch_ws(const dsa_fp8_ws::WsArgs& g, const CUtensorMap& mw, const CUtensorMap& mx,
-                     const CUtensorMap& ms, cudaStream_t stream) {
-  auto kernel = dsa_fp8_ws::fp8_gemm_ws_kernel<kSwap, BT, kF32Out, kMc, kPipe, kDeep>;
-  constexpr int smem = dsa_fp8_ws::WsTile<kSwap, BT, kDeep>::kSmem;
+                     const CUtensorMap& ms, const CUtensorMap& mo, cudaStream_t stream) {
+  auto kernel = dsa_fp8_ws::fp8_gemm_ws_kernel<kSwap, BT, kF32Out, kMc, kPipe, kTmaStore>;
+  constexpr int smem = dsa_fp8_ws::WsTile<kSwap, BT, kTmaStore>::kSmem;
   const int st = dsa_kernel_attributes("fp8_block_linear", reinterpret_cast<const void*>(kernel), smem);
   if (st != DSA_OK) return st;
   int dev = 0, slots = 0;
@@ -344,7 +345,7 @@ static int launch_ws(const dsa_fp8_ws::WsArgs& g, const CUtensorMap& mw, const C
   attr[1].val.clusterDim.z = 1;
   cfg.attrs = attr;
   cfg.numAttrs = kMc > 1 ? 2 : 1;
-  DSA_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, g, mw, mx, ms));
+  DSA_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, g, mw, mx, ms, mo));
   return DSA_OK;
 }
 
@@ -388,22 +389,27 @@ static int tma_gemm(const DsaFp8BlockLinearParams* p, const LinearPlan& plan, co
     g.out_stride = p->out_stride;
     g.vec_store = (reinterpret_cast<uintptr_t>(p->out) & 15) == 0 && p->out_stride % 8 == 0;
   }
-#define DSA_WS(SWAP, BT, MC)                                                  \
-  return split ? launch_ws<SWAP, BT, true, MC>(g, mw, mx, ms, stream) \
-               : launch_ws<SWAP, BT, false, MC>(g, mw, mx, ms, stream)
-  if (plan.path == Path::kTmaPipe) {
-    if (plan.mc == 2)
-      return split ? launch_ws<false, 128, true, 2, true>(g, mw, mx, ms, stream)
-                   : launch_ws<false, 128, false, 2, true>(g, mw, mx, ms, stream);
-    return split ? launch_ws<false, 128, true, 1, true>(g, mw, mx, ms, stream)
-                 : launch_ws<false, 128, false, 1, true>(g, mw, mx, ms, stream);
+  // the bf16 output as TMA stores see it (tma-store, unsplit, 16-byte rows); else unused
+  CUtensorMap mo = mw;
+  const bool tma_store = plan.path == Path::kTmaStore && !split && g.vec_store;
+  if (tma_store) {
+    st = encode_tensor_map_2d(&mo, p->out, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, p->n, t, p->out_stride * 2, 64, 64,
+                              CU_TENSOR_MAP_SWIZZLE_128B, "fp8_block_linear: out");
+    if (st != DSA_OK) return st;
   }
-  if (plan.path == Path::kTmaDeep) {  // the pipelined mainloop, six stages, no bf16 staging
+#define DSA_WS(SWAP, BT, MC)                                                  \
+  return split ? launch_ws<SWAP, BT, true, MC>(g, mw, mx, ms, mo, stream) \
+               : launch_ws<SWAP, BT, false, MC>(g, mw, mx, ms, mo, stream)
+  if (tma_store) {
+    return plan.mc == 2 ? launch_ws<false, 128, false, 2, true, true>(g, mw, mx, ms, mo, stream)
+                        : launch_ws<false, 128, false, 1, true, true>(g, mw, mx, ms, mo, stream);
+  }
+  if (plan.path == Path::kTmaPipe || plan.path == Path::kTmaStore) {
     if (plan.mc == 2)
-      return split ? launch_ws<false, 128, true, 2, true, true>(g, mw, mx, ms, stream)
-                   : launch_ws<false, 128, false, 2, true, true>(g, mw, mx, ms, stream);
-    return split ? launch_ws<false, 128, true, 1, true, true>(g, mw, mx, ms, stream)
-                 : launch_ws<false, 128, false, 1, true, true>(g, mw, mx, ms, stream);
+      return split ? launch_ws<false, 128, true, 2, true>(g, mw, mx, ms, mo, stream)
+                   : launch_ws<false, 128, false, 2, true>(g, mw, mx, ms, mo, stream);
+    return split ? launch_ws<false, 128, true, 1, true>(g, mw, mx, ms, mo, stream)
+                 : launch_ws<false, 128, false, 1, true>(g, mw, mx, ms, mo, stream);
   }
   if (plan.path != Path::kTmaSwap) {
     if (plan.mc == 2) DSA_WS(false, 128, 2);
@@ -441,7 +447,7 @@ extern "C" const char* dsa_fp8_block_linear_path(int64_t num_tokens, int n, int 
   const char* name = p.path == Path::kTma        ? "tma"
                      : p.path == Path::kTmaNoMc ? "tma-nomc"
                      : p.path == Path::kTmaPipe ? "tma-pipe"
-                     : p.path == Path::kTmaDeep ? "tma-deep"
+                     : p.path == Path::kTmaStore ? "tma-store"
                      : p.path == Path::kTmaSwap ? "tma-swap"
                                                 : "legacy";
   // tile: weight rows x tokens; "x2": pairs of CTAs share (multicast) the weight tile

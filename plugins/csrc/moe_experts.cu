@@ -414,7 +414,7 @@ static int launch_grouped_tma(const uint8_t* w, const float* ws, int e_local, in
                       (long long)e_local * n);
   // a persistent grid: CTA b runs units b, b + grid, ... of the units the tile count gives
   const unsigned grid = static_cast<unsigned>(std::min<int64_t>(max_units, std::max(sms, 1)));
-  kernel<<<grid, dsa_fp8_ws::kThreads, smem, stream>>>(g, mw, mx, ms);
+  kernel<<<grid, dsa_fp8_ws::kThreads, smem, stream>>>(g, mw, mx, ms, mw);  // no TMA-store map
   DSA_CUDA_CHECK_LAUNCH();
   return DSA_OK;
 }
