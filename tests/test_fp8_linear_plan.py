@@ -34,15 +34,15 @@ def test_auto_paths(lib, monkeypatch):
     assert path_of(lib, 1, 24576, 1536).startswith("tma-swap 128x8 ")
     assert path_of(lib, 16, 24576, 1536).startswith("tma-swap 128x16 ")
     assert path_of(lib, 64, 24576, 1536).startswith("tma-swap 128x64 ")
-    assert path_of(lib, 65, 24576, 1536) == "tma 128x128 split 1"  # one token tile: no CTA pairs
-    assert path_of(lib, 4096, 36864, 7168) == "tma 128x128 x2 split 1"
+    assert path_of(lib, 65, 24576, 1536) == "tma-store 128x128 split 1"  # one token tile: no CTA pairs
+    assert path_of(lib, 4096, 36864, 7168) == "tma-store 128x128 x2 split 1"
     assert not path_of(lib, 1, 576, 7168).endswith(" split 1")  # 5 weight tiles: K is split
 
 
 @pytest.mark.parametrize("knob,prefix", [("tma", "tma 128x128 "), ("tma-nomc", "tma-nomc 128x128 split"),
                                          ("tma-pipe", "tma-pipe 128x128 x2 "), ("tma-store", "tma-store 128x128 x2 "),
                                          ("tma-swap", "tma-swap 128x64 "), ("legacy", "legacy 128x128 "),
-                                         ("auto", "tma 128x128 x2 ")])
+                                         ("auto", "tma-store 128x128 x2 ")])
 def test_forced_paths(lib, monkeypatch, knob, prefix):
     monkeypatch.setenv("DSA_FP8_LINEAR_PATH", knob)
     assert path_of(lib, 4096, 7168, 16384).startswith(prefix)

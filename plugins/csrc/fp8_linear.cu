@@ -172,7 +172,7 @@ static LinearPlan plan_linear(int64_t t, int n, int k, Path forced, int max_spli
   t = std::max<int64_t>(t, 0);
   n = std::max(n, 1);
   p.nkb = static_cast<int>(dsa_ceil_div(std::max(k, 1), kBlock));
-  p.path = forced != Path::kAuto ? forced : (t <= kSwapMaxTokens ? Path::kTmaSwap : Path::kTma);
+  p.path = forced != Path::kAuto ? forced : (t <= kSwapMaxTokens ? Path::kTmaSwap : Path::kTmaStore);
   const bool square = p.path == Path::kTma || p.path == Path::kTmaNoMc || p.path == Path::kTmaPipe ||
                       p.path == Path::kTmaStore;
   p.bt = square ? kTileM : std::min(pick_bn(t), p.path == Path::kTmaSwap ? kSwapMaxTokens : kTileM);
