@@ -47,9 +47,10 @@
 //
 // Per K block a consumer issues 4 x wgmma k32 into a zeroed fp32 accumulator, waits for them, and
 // promotes: total += acc * (s_x * s_w) (the official fp8_gemm's per-block fp32 scaling), while the
-// other warpgroup's wgmmas keep the tensor cores busy. kPipe (prefill, DSA_FP8_LINEAR_PATH=tma-pipe)
-// double-buffers the accumulator instead: block b + 1's wgmmas are in flight while block b is
-// promoted (wgmma_wait<1>); block b's stage is released as soon as its wgmmas completed, as before.
+// other warpgroup's wgmmas keep the tensor cores busy. kPipe (the linear's prefill plans tma-store
+// and tma-pipe) double-buffers the accumulator instead: block b + 1's wgmmas are in flight while
+// block b is promoted (wgmma_wait<1>); block b's stage is released as soon as its wgmmas
+// completed, as before.
 //
 // Programmatic dependent launch: launched after the activation quantiser, the producer first loads
 // the weight tiles of its first kStages stages (which do not depend on it), then waits

@@ -4,8 +4,9 @@
 // Two or three kernels on the stream, all sizes static (CUDA-graph safe, no host synchronisation):
 //   1. act_quant: one warp per (token, 128-group) -> e4m3 rows + fp32 scales in the workspace.
 //   2. the GEMM, one of
-//      - "tma" (T > 64, prefill): fp8_gemm_ws.cuh, 128 tokens x 128 weight rows per tile, CTAs
-//        in pairs (clusters of 2) on adjacent token tiles sharing the weight tile by multicast;
+//      - "tma-store" (T > 64, prefill): fp8_gemm_ws.cuh, 128 tokens x 128 weight rows per tile,
+//        CTAs in pairs (clusters of 2) on adjacent token tiles sharing the weight tile by
+//        multicast, the pipelined mainloop (kPipe), bf16 tiles out by TMA stores (kTmaStore);
 //      - "tma-swap" (T <= 64, decode, bound by the weight read): fp8_gemm_ws.cuh swapped, 128
 //        weight rows x BT tokens (BT = 8..64);
 //      - "legacy" (only when forced, below): fp8_gemm.cuh's cp.async swap-AB tile, the MoE's core.
