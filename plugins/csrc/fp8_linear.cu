@@ -174,13 +174,12 @@ static LinearPlan plan_linear(int64_t t, int n, int k, Path forced, int max_spli
   n = std::max(n, 1);
   p.nkb = static_cast<int>(dsa_ceil_div(std::max(k, 1), kBlock));
   p.path = forced != Path::kAuto ? forced : (t <= kSwapMaxTokens ? Path::kTmaSwap : Path::kTmaStore);
-  const bool square = p.path == Path::kTma || p.path == Path::kTmaNoMc || p.path == Path::kTmaPipe ||
-                      p.path == Path::kTmaStore;
+  const bool square = p.path != Path::kTmaSwap && p.path != Path::kLegacy;  // the 128 x 128 prefill tile
   p.bt = square ? kTileM : std::min(pick_bn(t), p.path == Path::kTmaSwap ? kSwapMaxTokens : kTileM);
   p.w_tiles = static_cast<int>(dsa_ceil_div(n, kTileM));
   p.t_tiles = static_cast<int>(dsa_ceil_div(std::max<int64_t>(t, 1), p.bt));
   // prefill pairs CTAs on adjacent token tiles: each loads half the weight tile for both
-  p.mc = (p.path == Path::kTma || p.path == Path::kTmaPipe || p.path == Path::kTmaStore) && p.t_tiles >= 2 ? 2 : 1;
+  p.mc = square && p.path != Path::kTmaNoMc && p.t_tiles >= 2 ? 2 : 1;
   p.t_groups = static_cast<int>(dsa_ceil_div(p.t_tiles, p.mc));
   const int64_t tiles = static_cast<int64_t>(p.w_tiles) * p.t_tiles;
   int splits = p.path == Path::kLegacy ? pick_splits_legacy(tiles, p.nkb) : pick_splits_tma(tiles, p.nkb, t, n);
@@ -398,29 +397,27 @@ static int tma_gemm(const DsaFp8BlockLinearParams* p, const LinearPlan& plan, co
                               CU_TENSOR_MAP_SWIZZLE_128B, "fp8_block_linear: out");
     if (st != DSA_OK) return st;
   }
-#define DSA_WS(SWAP, BT, MC)                                                  \
-  return split ? launch_ws<SWAP, BT, true, MC>(g, mw, mx, ms, mo, stream) \
-               : launch_ws<SWAP, BT, false, MC>(g, mw, mx, ms, mo, stream)
+#define DSA_WS(SWAP, BT, MC, PIPE)                                                      \
+  return split ? launch_ws<SWAP, BT, true, MC, PIPE>(g, mw, mx, ms, mo, stream) \
+               : launch_ws<SWAP, BT, false, MC, PIPE>(g, mw, mx, ms, mo, stream)
   if (tma_store) {
     return plan.mc == 2 ? launch_ws<false, 128, false, 2, true, true>(g, mw, mx, ms, mo, stream)
                         : launch_ws<false, 128, false, 1, true, true>(g, mw, mx, ms, mo, stream);
   }
-  if (plan.path == Path::kTmaPipe || plan.path == Path::kTmaStore) {
-    if (plan.mc == 2)
-      return split ? launch_ws<false, 128, true, 2, true>(g, mw, mx, ms, mo, stream)
-                   : launch_ws<false, 128, false, 2, true>(g, mw, mx, ms, mo, stream);
-    return split ? launch_ws<false, 128, true, 1, true>(g, mw, mx, ms, mo, stream)
-                 : launch_ws<false, 128, false, 1, true>(g, mw, mx, ms, mo, stream);
-  }
   if (plan.path != Path::kTmaSwap) {
-    if (plan.mc == 2) DSA_WS(false, 128, 2);
-    DSA_WS(false, 128, 1);
+    const bool pipe = plan.path == Path::kTmaPipe || plan.path == Path::kTmaStore;
+    if (plan.mc == 2) {
+      if (pipe) DSA_WS(false, 128, 2, true);
+      DSA_WS(false, 128, 2, false);
+    }
+    if (pipe) DSA_WS(false, 128, 1, true);
+    DSA_WS(false, 128, 1, false);
   }
   switch (bt) {
-    case 8: DSA_WS(true, 8, 1);
-    case 16: DSA_WS(true, 16, 1);
-    case 32: DSA_WS(true, 32, 1);
-    default: DSA_WS(true, 64, 1);
+    case 8: DSA_WS(true, 8, 1, false);
+    case 16: DSA_WS(true, 16, 1, false);
+    case 32: DSA_WS(true, 32, 1, false);
+    default: DSA_WS(true, 64, 1, false);
   }
 #undef DSA_WS
 }
