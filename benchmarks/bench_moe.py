@@ -258,12 +258,16 @@ def main() -> None:
             us = us if us is not None else ev
             legacy_us = None
             if path.startswith("tma"):  # the A/B: the same inputs on the cp.async tile
+                forced = os.environ.get(PATH_KNOB)
                 os.environ[PATH_KNOB] = "legacy"
                 try:
                     lev, legacy_us = time_both_us(Moe(x, ids, weights, w13, s13, w2, s2), flush_buf, args.iters)
                     legacy_us = legacy_us if legacy_us is not None else lev
-                finally:
-                    os.environ.pop(PATH_KNOB)
+                finally:  # the next row runs under the run's own path again
+                    if forced is None:
+                        os.environ.pop(PATH_KNOB)
+                    else:
+                        os.environ[PATH_KNOB] = forced
             anchor_us, anchor = None, "skipped"
             if not args.no_anchor and t <= ANCHOR_MAX_T:
                 loop = TorchLoop(x, ids, weights, w13, s13, w2, s2)

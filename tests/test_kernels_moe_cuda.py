@@ -379,7 +379,7 @@ def moe_case(lib, m: Moe, case: str):
     return got
 
 
-@pytest.fixture(params=["legacy", "tma"])
+@pytest.fixture(params=["legacy", "tma", "tma-pipe"])
 def gemm_path(request, monkeypatch):
     """Both expert GEMMs at every size (DSA_MOE_GEMM_PATH; auto takes tma above 64 pairs per expert):
     the pairwise oracle of a case runs under the same path."""
@@ -426,11 +426,13 @@ def test_moe_paths_agree_bitwise(lib, monkeypatch, t, e_local, d, i):
     m = make_moe(40 + t, t, 8, 64, e_local, 8, d, i, pow2=t % 2 == 0)
     monkeypatch.setenv("DSA_MOE_GEMM_PATH", "legacy")
     a = run_moe(lib, m)
-    monkeypatch.setenv("DSA_MOE_GEMM_PATH", "tma")
-    b = run_moe(lib, m)
-    diff = (a - b).abs()
-    assert torch.equal(a.view(torch.int32), b.view(torch.int32)), (
-        f"T={t} E={e_local} D={d} I={i}: {int((diff > 0).sum())} elements differ, max {diff.max().item():.3g}")
+    for path in ("tma", "tma-pipe"):
+        monkeypatch.setenv("DSA_MOE_GEMM_PATH", path)
+        b = run_moe(lib, m)
+        diff = (a - b).abs()
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32)), (
+            f"T={t} E={e_local} D={d} I={i} {path}: {int((diff > 0).sum())} elements differ, "
+            f"max {diff.max().item():.3g}")
 
 
 @pytest.mark.parametrize("t", [1, 9, 65])

@@ -352,6 +352,30 @@ __device__ __forceinline__ void consumer(const WsArgs& g, const CUtensorMap* map
       }
     }
   };
+  auto advance = [&] {
+    if (++s == S) {
+      s = 0;
+      phase ^= 1;
+    }
+  };
+  // kPipe: issue K block kb of unit w (the next stage) into `a`; returns the block's row scales
+  // (s_w * s_x of rows r_lo, r_lo + 8), read while its wgmmas run, off the promotion's path
+  auto issue = [&](float(&a)[R], const Unit& w, int kb) {
+    const float sw = __ldg(w.ws + kb);
+    uint8_t* st = smem + s * L::kStage;
+    mbar_wait(full0 + 8 * s, phase);
+    const float* sx = reinterpret_cast<const float*>(st + L::kW + L::kX) + (w.t_load & 3);
+    const float x0 = sx[r_lo], x1 = sx[r_lo + 8];
+    const uint64_t da = dsa_fp8::make_desc_sw128(st + L::kW + c * 64 * kBlock);
+    const uint64_t db = dsa_fp8::make_desc_sw128(st);
+#pragma unroll
+    for (int j = 0; j < R; ++j) dsa_fp8::fence_operand(a[j]);
+    dsa_wgmma::wgmma_fence();
+    dsa_wgmma::ss_k128<kSwap ? BT : kTileM>(a, da, db);  // kPipe only: never kSwap
+    dsa_wgmma::wgmma_commit();
+    advance();
+    return make_float2(sw * x0, sw * x1);
+  };
   for (int u = cluster; u < units; u += clusters) {
     const Unit w = unit_of<BT, kMc>(g, u, rank);
     const float* ws = w.ws;
@@ -362,64 +386,39 @@ __device__ __forceinline__ void consumer(const WsArgs& g, const CUtensorMap* map
     if constexpr (kPipe) {
       static_assert(!kSwap, "the pipelined mainloop is the prefill tile's");
       float acc2[R];
-      // issue K block kb (stage s) into `a`; returns its weight scale
-      auto issue = [&](float(&a)[R], int kb, int stage, uint32_t ph) {
-        const float sw = __ldg(ws + kb);
-        uint8_t* st = smem + stage * L::kStage;
-        mbar_wait(full0 + 8 * stage, ph);
-        const uint64_t da = dsa_fp8::make_desc_sw128(st + L::kW + c * 64 * kBlock);
-        const uint64_t db = dsa_fp8::make_desc_sw128(st);
+      // promote `a` (its group completed) by its block's row scales, then release its stage
+      auto promote = [&](float(&a)[R], float2 sc, int stage) {
 #pragma unroll
         for (int j = 0; j < R; ++j) dsa_fp8::fence_operand(a[j]);
-        dsa_wgmma::wgmma_fence();
-        dsa_wgmma::ss_k128<kTileM>(a, da, db);
-        dsa_wgmma::wgmma_commit();
-        return sw;
-      };
-      // promote `a` (its group completed) with stage `stage`'s token scales, then release it
-      auto promote = [&](float(&a)[R], float sw, int stage) {
-#pragma unroll
-        for (int j = 0; j < R; ++j) dsa_fp8::fence_operand(a[j]);
-        const float* sx = reinterpret_cast<const float*>(smem + stage * L::kStage + L::kW + L::kX) + s_off;
-        const float s0 = sw * sx[r_lo], s1 = sw * sx[r_lo + 8];
         release(stage);
-        dsa_fp8::promote_by_row(total, a, s0, s1);
-      };
-      auto advance = [&] {
-        if (++s == S) {
-          s = 0;
-          phase ^= 1;
-        }
+        dsa_fp8::promote_by_row(total, a, sc.x, sc.y);
       };
       // the K loop unrolled by two so each accumulator set stays in fixed registers
       int kb = w.kb_begin, prev = s;
-      float sw_prev = issue(acc, kb, s, phase);
-      advance();
+      float2 sc_prev = issue(acc, w, kb);
       for (++kb;; kb += 2) {
         if (kb >= w.kb_end) {
           dsa_wgmma::wgmma_wait<0>();
-          promote(acc, sw_prev, prev);
+          promote(acc, sc_prev, prev);
           break;
         }
         int cur = s;
-        float sw_cur = issue(acc2, kb, s, phase);
-        advance();
+        float2 sc_cur = issue(acc2, w, kb);
         dsa_wgmma::wgmma_wait<1>();  // acc's group completed, acc2's in flight
-        promote(acc, sw_prev, prev);
+        promote(acc, sc_prev, prev);
         prev = cur;
-        sw_prev = sw_cur;
+        sc_prev = sc_cur;
         if (kb + 1 >= w.kb_end) {
           dsa_wgmma::wgmma_wait<0>();
-          promote(acc2, sw_prev, prev);
+          promote(acc2, sc_prev, prev);
           break;
         }
         cur = s;
-        sw_cur = issue(acc, kb + 1, s, phase);
-        advance();
+        sc_cur = issue(acc, w, kb + 1);
         dsa_wgmma::wgmma_wait<1>();
-        promote(acc2, sw_prev, prev);
+        promote(acc2, sc_prev, prev);
         prev = cur;
-        sw_prev = sw_cur;
+        sc_prev = sc_cur;
       }
     }
     for (int kb = w.kb_begin; !kPipe && kb < w.kb_end; ++kb) {
@@ -452,10 +451,7 @@ __device__ __forceinline__ void consumer(const WsArgs& g, const CUtensorMap* map
         release(s);
         dsa_fp8::promote_by_row(total, acc, s0, s1);
       }
-      if (++s == S) {
-        s = 0;
-        phase ^= 1;
-      }
+      advance();
     }
 
     // ------------------------------------------------ epilogue

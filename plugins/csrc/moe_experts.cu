@@ -7,8 +7,9 @@
 //      grouped GEMMs (tiles of BN positions of one expert; their count is on the device).
 //   2. act_quant of x, once per token (fp8_linear.cu's numerics, here per 128 columns of D).
 //   3. grouped GEMM 1 over (128 rows of w13_e) x (tiles) -> gate|up bf16 [P, 2I], one of
-//      - "tma" (prefill: more than 64 pairs per local expert on average, or DSA_MOE_GEMM_PATH=tma):
-//        fp8_gemm_ws.cuh's warp-specialised TMA GEMM, grouped (128 positions x 128 weight rows per
+//      - "tma-pipe" (prefill: more than 64 pairs per local expert on average, or
+//        DSA_MOE_GEMM_PATH=tma-pipe; "tma" the same without the pipelined mainloop):
+//        fp8_gemm_ws.cuh's warp-specialised TMA GEMM with kPipe, grouped (128 positions x 128 weight rows per
 //        unit, a persistent grid over the units of the device's tile count). TMA cannot gather
 //        rows, so step 2' copies the quantised rows of x per position, in the sorted order (P
 //        rows, not T);
@@ -279,12 +280,13 @@ __global__ void __launch_bounds__(256) moe_combine_kernel(const uint16_t* __rest
 }
 
 // ---------------------------------------------------------------- plan and workspace
-enum class GemmPath { kAuto, kTma, kLegacy };
+enum class GemmPath { kAuto, kTma, kTmaPipe, kLegacy };
 
 struct MoePlan {
   int64_t pairs, p_pad;  // P, and P rounded up to 4 (the transposed scales' 16-byte rows)
   int nkb_d, nkb_i, bn, max_tiles;
   bool tma;              // the expert GEMMs on fp8_gemm_ws.cuh (bn = 128)
+  bool pipe;             // ... with its pipelined mainloop (kPipe; DSA_MOE_GEMM_PATH=tma: without)
   size_t off_qx, off_sx, off_qxs, off_sxs, off_gu, off_qh, off_sh, off_y, off_sorted_token, off_sorted_expert,
       off_pair_pos, off_offsets, off_tile_expert, off_tile_start, total;
 };
@@ -312,7 +314,9 @@ static MoePlan plan_moe(int64_t t, int top_k, int num_local, int d, int inter, i
   p.nkb_i = static_cast<int>(dsa_ceil_div(std::max(inter, 1), kBlock));
   p.bn = pick_bn(dsa_ceil_div(p.pairs, e));
   const bool fp8 = fmt == DSA_MOE_FP8_BLOCK;
-  p.tma = fp8 && (forced == GemmPath::kTma || (forced == GemmPath::kAuto && p.bn == kTileM));
+  p.tma = fp8 && (forced == GemmPath::kTma || forced == GemmPath::kTmaPipe ||
+                  (forced == GemmPath::kAuto && p.bn == kTileM));
+  p.pipe = p.tma && forced != GemmPath::kTma;  // tma-pipe, the automatic prefill path
   if (p.tma) p.bn = kTileM;
   p.max_tiles = static_cast<int>(dsa_ceil_div(p.pairs, p.bn) + e);
   const size_t P = static_cast<size_t>(p.pairs), D = std::max(d, 0), I = std::max(inter, 0);
@@ -358,9 +362,10 @@ static int forced_path(GemmPath* out) {
   *out = GemmPath::kAuto;
   if (e == nullptr || *e == '\0' || strcmp(e, "auto") == 0) return DSA_OK;
   if (strcmp(e, "tma") == 0) *out = GemmPath::kTma;
+  else if (strcmp(e, "tma-pipe") == 0) *out = GemmPath::kTmaPipe;
   else if (strcmp(e, "legacy") == 0) *out = GemmPath::kLegacy;
   else
-    return dsa_set_error(DSA_ERR_INVALID_ARG, "moe_experts: DSA_MOE_GEMM_PATH=%s unknown (auto, tma, legacy)", e);
+    return dsa_set_error(DSA_ERR_INVALID_ARG, "moe_experts: DSA_MOE_GEMM_PATH=%s unknown (auto, tma, tma-pipe, legacy)", e);
   return DSA_OK;
 }
 
@@ -401,7 +406,7 @@ static int launch_grouped_tma(const uint8_t* w, const float* ws, int e_local, in
   g.w_expert_rows = n;
   g.ws_expert_stride = dsa_ceil_div(n, kTileM) * nkb;
   g.s_box = kScaleBox;
-  auto kernel = fp8_gemm_ws_kernel<false, kTileM, false, 1>;
+  auto kernel = plan.pipe ? fp8_gemm_ws_kernel<false, kTileM, false, 1, true> : fp8_gemm_ws_kernel<false, kTileM, false, 1>;
   constexpr int smem = WsTile<false, kTileM>::kSmem;
   st = dsa_kernel_attributes("moe_experts", reinterpret_cast<const void*>(kernel), smem);
   if (st != DSA_OK) return st;
@@ -473,7 +478,10 @@ extern "C" const char* dsa_moe_experts_path(int64_t num_tokens, int top_k, int n
   GemmPath forced = GemmPath::kAuto;
   if (forced_path(&forced) != DSA_OK) return "invalid DSA_MOE_GEMM_PATH";
   const MoePlan p = plan_moe(num_tokens, top_k, num_local_experts, 1, 1, DSA_MOE_FP8_BLOCK, forced);
-  snprintf(text, sizeof(text), p.tma ? "tma 128x128" : "legacy 128x%d", p.bn);
+  if (p.tma)
+    snprintf(text, sizeof(text), p.pipe ? "tma-pipe 128x128" : "tma 128x128");
+  else
+    snprintf(text, sizeof(text), "legacy 128x%d", p.bn);
   return text;
 }
 
