@@ -710,7 +710,9 @@ def dp_ep_rows(decode: dict, graph_rows: dict, experts_us: dict[int, float], cfg
             rows.append(row)
             continue
         layer_us = {kind: sum(cats.values()) for kind, cats in per_kind.items()}
-        moe = per_kind["MoE"]["MoE"] - experts_us[b] + experts_us[WORLD * b] / WORLD
+        # the region's non-expert part (router, casts) cannot be negative: the graph's region split
+        # charges some launch gaps elsewhere, so its MoE may come out below the experts timed alone
+        moe = max(per_kind["MoE"]["MoE"] - experts_us[b], 0.0) + experts_us[WORLD * b] / WORLD
         comm = 2 * b * cfg.num_experts_per_tok * cfg.hidden_size * 2 * (WORLD - 1) / WORLD / NVLINK_BPS * 1e6
         moe_layer = layer_us["MoE"] - per_kind["MoE"]["MoE"] + moe + comm
         dense_layer = layer_us.get("dense", moe_layer)

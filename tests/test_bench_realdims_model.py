@@ -62,3 +62,15 @@ def test_dp_ep_plan_fits_v32(bench):
     plan = make_plan(load_config(bench.REAL_CONFIG), tp=1, ep=8, gpu_memory_gb=141.0)
     assert plan.fits and plan.dp == 8
     assert plan.tokens_per_group // 4096 >= 128
+
+
+def test_dp_ep_rows_never_charge_a_negative_router(bench):
+    """A graph row whose MoE region is below the experts timed alone (the H200's B=32 row gave a
+    negative "routed MoE per layer") keeps only the experts' share at 8B tokens."""
+    from dsa_trt.plan import load_config
+
+    cfg = load_config(bench.REAL_CONFIG)
+    per_kind = {"MoE": _cats(10, 20, 100, 1290, 70)}
+    rows = bench.dp_ep_rows({(32, 4096): ({}, 0, 0.0)}, {(32, 4096): {"per_kind": per_kind}},
+                            {32: 1796.7, 256: 2904.7}, cfg, lambda ctx: 1000)
+    assert rows[0]["moe_us"] == pytest.approx(2904.7 / 8)
