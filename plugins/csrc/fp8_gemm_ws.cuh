@@ -48,9 +48,9 @@
 // Per K block a consumer issues 4 x wgmma k32 into a zeroed fp32 accumulator, waits for them, and
 // promotes: total += acc * (s_x * s_w) (the official fp8_gemm's per-block fp32 scaling), while the
 // other warpgroup's wgmmas keep the tensor cores busy. kPipe (the linear's prefill plans tma-store
-// and tma-pipe) double-buffers the accumulator instead: block b + 1's wgmmas are in flight while
-// block b is promoted (wgmma_wait<1>); block b's stage is released as soon as its wgmmas
-// completed, as before.
+// and tma-pipe, the MoE's tma-pipe) double-buffers the accumulator instead: block b + 1's wgmmas
+// are in flight while block b is promoted (wgmma_wait<1>); block b's token scales are read when
+// its wgmmas are issued, its stage released as soon as they completed.
 //
 // Programmatic dependent launch: launched after the activation quantiser, the producer first loads
 // the weight tiles of its first kStages stages (which do not depend on it), then waits
@@ -358,24 +358,6 @@ __device__ __forceinline__ void consumer(const WsArgs& g, const CUtensorMap* map
       phase ^= 1;
     }
   };
-  // kPipe: issue K block kb of unit w (the next stage) into `a`; returns the block's row scales
-  // (s_w * s_x of rows r_lo, r_lo + 8), read while its wgmmas run, off the promotion's path
-  auto issue = [&](float(&a)[R], const Unit& w, int kb) {
-    const float sw = __ldg(w.ws + kb);
-    uint8_t* st = smem + s * L::kStage;
-    mbar_wait(full0 + 8 * s, phase);
-    const float* sx = reinterpret_cast<const float*>(st + L::kW + L::kX) + (w.t_load & 3);
-    const float x0 = sx[r_lo], x1 = sx[r_lo + 8];
-    const uint64_t da = dsa_fp8::make_desc_sw128(st + L::kW + c * 64 * kBlock);
-    const uint64_t db = dsa_fp8::make_desc_sw128(st);
-#pragma unroll
-    for (int j = 0; j < R; ++j) dsa_fp8::fence_operand(a[j]);
-    dsa_wgmma::wgmma_fence();
-    dsa_wgmma::ss_k128<kSwap ? BT : kTileM>(a, da, db);  // kPipe only: never kSwap
-    dsa_wgmma::wgmma_commit();
-    advance();
-    return make_float2(sw * x0, sw * x1);
-  };
   for (int u = cluster; u < units; u += clusters) {
     const Unit w = unit_of<BT, kMc>(g, u, rank);
     const float* ws = w.ws;
@@ -386,6 +368,24 @@ __device__ __forceinline__ void consumer(const WsArgs& g, const CUtensorMap* map
     if constexpr (kPipe) {
       static_assert(!kSwap, "the pipelined mainloop is the prefill tile's");
       float acc2[R];
+      // kPipe: issue K block kb of unit w (the next stage) into `a`; returns the block's row scales
+      // (s_w * s_x of rows r_lo, r_lo + 8), read while its wgmmas run, off the promotion's path
+      auto issue = [&](float(&a)[R], const Unit& w, int kb) {
+        const float sw = __ldg(w.ws + kb);
+        uint8_t* st = smem + s * L::kStage;
+        mbar_wait(full0 + 8 * s, phase);
+        const float* sx = reinterpret_cast<const float*>(st + L::kW + L::kX) + (w.t_load & 3);
+        const float x0 = sx[r_lo], x1 = sx[r_lo + 8];
+        const uint64_t da = dsa_fp8::make_desc_sw128(st + L::kW + c * 64 * kBlock);
+        const uint64_t db = dsa_fp8::make_desc_sw128(st);
+    #pragma unroll
+        for (int j = 0; j < R; ++j) dsa_fp8::fence_operand(a[j]);
+        dsa_wgmma::wgmma_fence();
+        dsa_wgmma::ss_k128<kTileM>(a, da, db);
+        dsa_wgmma::wgmma_commit();
+        advance();
+        return make_float2(sw * x0, sw * x1);
+      };
       // promote `a` (its group completed) by its block's row scales, then release its stage
       auto promote = [&](float(&a)[R], float2 sc, int stage) {
 #pragma unroll
