@@ -402,6 +402,8 @@ def test_moe_tokens(lib, gemm_path, t):
     (96, 3, 16, 8, 8, 256, 128, "local_only"),  # half the local experts get no pair
     (50, 5, 24, 12, 12, 384, 256, "invalid"),   # -1 and >= num_experts ids skipped
     (4096, 8, 64, 16, 16, 512, 256, "uniform"),  # prefill: BN = 128 tiles, many per expert
+    (2100, 1, 8, 8, 0, 256, 128, "hot"),        # 2 prep chunks, every pair on one expert
+    (3000, 2, 24, 12, 12, 256, 128, "invalid"),  # 3 prep chunks with skipped ids
 ])
 def test_moe_routing(lib, gemm_path, pow2, t, k, num_experts, e_local, offset, d, i, routing):
     m = make_moe(t + k + d, t, k, num_experts, e_local, offset, d, i, pow2, routing=routing)

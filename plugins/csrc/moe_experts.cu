@@ -2,7 +2,8 @@
 // (token t, slot j) whose expert is local. Every size is static (bounded by P = T * top_k pairs);
 // what depends on the routing lives in the workspace, so nothing syncs with the host and the
 // launch sequence is CUDA-graph safe:
-//   1. moe_prep (one CTA): counts per local expert, exclusive scan, the expert-sorted pair list
+//   1. moe_prep (one CTA per 2048 pairs; above one chunk a count and a scan kernel first): counts
+//      per local expert, exclusive scan, the expert-sorted pair list
 //      (stable: pair order within an expert), pair -> position map, and the tile table of the
 //      grouped GEMMs (tiles of BN positions of one expert; their count is on the device).
 //   2. act_quant of x, once per token (fp8_linear.cu's numerics, here per 128 columns of D).
@@ -45,54 +46,35 @@ constexpr int kMaxTopK = 32;
 constexpr int kMinBn = 8;  // the tile table is sized for the smallest token tile
 
 // ---------------------------------------------------------------- 1. routing prep
-// Pass 1: warp w walks pairs [w * per_warp, ...) 32 at a time; lanes with the same local expert
-// find each other (match_any) and their leader adds their count to cnt[w][e]. The scan turns
-// cnt into each (expert, warp)'s first position; pass 2 walks again and places each pair at its
-// position + its rank among the earlier lanes of the same expert.
-__global__ void __launch_bounds__(kPrepThreads) moe_prep_kernel(const int32_t* __restrict__ ids, int num_pairs,
-                                                                int top_k, int num_experts, int num_local,
-                                                                int expert_offset, int bn, int32_t* sorted_token,
-                                                                int32_t* sorted_expert, int32_t* pair_pos,
-                                                                int32_t* expert_offsets, int32_t* num_tiles,
-                                                                int32_t* tile_expert, int32_t* tile_start) {
-  extern __shared__ int32_t cnt[];  // [kPrepWarps][num_local]
+// The pairs are cut into chunks of kPrepChunk (G = ceil(P / kPrepChunk) chunks, one CTA each).
+// One chunk (decode): moe_prep_kernel alone. More (prefill): moe_prep_count_kernel counts each
+// chunk's pairs per local expert, moe_prep_scan_kernel turns the counts into each (chunk, expert)'s
+// first position and writes the offsets and the tile table, then moe_prep_kernel places each
+// chunk's pairs. Either way a pair's position is its expert's offset + the number of earlier pairs
+// of that expert (pair order): the same positions whatever G.
+constexpr int kPrepChunk = 2048;
+
+__device__ __forceinline__ int prep_local_expert(const int32_t* __restrict__ ids, int pidx, int end, int num_experts,
+                                                 int num_local, int expert_offset) {
+  if (pidx >= end) return -1;
+  const int id = ids[pidx], le = id - expert_offset;
+  return (id >= 0 && id < num_experts && le >= 0 && le < num_local) ? le : -1;
+}
+
+// Thread e < num_local holds tot = expert e's pair count; all kPrepThreads threads call it. ->
+// e's first position; writes expert_offsets[0..num_local], *num_tiles and the tile table.
+__device__ __forceinline__ int prep_scan_experts(int tot, int num_local, int bn, int32_t* expert_offsets,
+                                                 int32_t* num_tiles, int32_t* tile_expert, int32_t* tile_start) {
   using Scan = cub::BlockScan<int, kPrepThreads>;
   __shared__ typename Scan::TempStorage scan_tmp;
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  for (int i = tid; i < kPrepWarps * num_local; i += kPrepThreads) cnt[i] = 0;
-  __syncthreads();
-
-  const int per_warp = (num_pairs + kPrepWarps - 1) / kPrepWarps;
-  const int begin = warp * per_warp, end = min(num_pairs, begin + per_warp);
-  auto local_expert = [&](int pidx) {
-    if (pidx >= end) return -1;
-    const int id = ids[pidx], le = id - expert_offset;
-    return (id >= 0 && id < num_experts && le >= 0 && le < num_local) ? le : -1;
-  };
-  for (int base = begin; base < end; base += 32) {
-    const int le = local_expert(base + lane);
-    const unsigned peers = __match_any_sync(0xffffffffu, le);
-    if (le >= 0 && lane == __ffs(peers) - 1) cnt[warp * num_local + le] += __popc(peers);
-    __syncwarp();  // the next round's leader of this expert may be another lane: order the shared RMWs
-  }
-  __syncthreads();
-
-  int tot = 0;
-  if (tid < num_local)
-    for (int w = 0; w < kPrepWarps; ++w) tot += cnt[w * num_local + tid];
+  const int tid = threadIdx.x;
   const int ntile = tid < num_local ? (tot + bn - 1) / bn : 0;
   int off = 0, total = 0, toff = 0, ttotal = 0;
-  Scan(scan_tmp).ExclusiveSum(tot, off, total);
+  Scan(scan_tmp).ExclusiveSum(tid < num_local ? tot : 0, off, total);
   __syncthreads();
   Scan(scan_tmp).ExclusiveSum(ntile, toff, ttotal);
   if (tid < num_local) {
     expert_offsets[tid] = off;
-    int run = off;
-    for (int w = 0; w < kPrepWarps; ++w) {
-      const int c = cnt[w * num_local + tid];
-      cnt[w * num_local + tid] = run;
-      run += c;
-    }
     for (int j = 0; j < ntile; ++j) {
       tile_expert[toff + j] = tid;
       tile_start[toff + j] = off + j * bn;
@@ -102,11 +84,93 @@ __global__ void __launch_bounds__(kPrepThreads) moe_prep_kernel(const int32_t* _
     expert_offsets[num_local] = total;
     *num_tiles = ttotal;
   }
+  return off;
+}
+
+// Chunk g's pairs per local expert -> chunk_cnt[g * num_local + e] (shared atomics: a count).
+__global__ void __launch_bounds__(kPrepThreads) moe_prep_count_kernel(const int32_t* __restrict__ ids, int num_pairs,
+                                                                      int num_experts, int num_local,
+                                                                      int expert_offset, int32_t* chunk_cnt) {
+  extern __shared__ int32_t cnt[];  // [num_local]
+  for (int i = threadIdx.x; i < num_local; i += kPrepThreads) cnt[i] = 0;
+  __syncthreads();
+  const int begin = blockIdx.x * kPrepChunk, end = min(num_pairs, begin + kPrepChunk);
+  for (int pidx = begin + threadIdx.x; pidx < end; pidx += kPrepThreads) {
+    const int le = prep_local_expert(ids, pidx, end, num_experts, num_local, expert_offset);
+    if (le >= 0) atomicAdd(&cnt[le], 1);
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < num_local; i += kPrepThreads) chunk_cnt[blockIdx.x * num_local + i] = cnt[i];
+}
+
+// One CTA: the counts of the G chunks -> offsets and tile table; chunk_cnt becomes each (chunk,
+// expert)'s first position (in place).
+__global__ void __launch_bounds__(kPrepThreads) moe_prep_scan_kernel(int num_chunks, int num_local, int bn,
+                                                                     int32_t* chunk_cnt, int32_t* expert_offsets,
+                                                                     int32_t* num_tiles, int32_t* tile_expert,
+                                                                     int32_t* tile_start) {
+  const int tid = threadIdx.x;
+  int tot = 0;
+  if (tid < num_local)
+    for (int g = 0; g < num_chunks; ++g) tot += chunk_cnt[g * num_local + tid];
+  int run = prep_scan_experts(tot, num_local, bn, expert_offsets, num_tiles, tile_expert, tile_start);
+  if (tid < num_local)
+    for (int g = 0; g < num_chunks; ++g) {
+      const int c = chunk_cnt[g * num_local + tid];
+      chunk_cnt[g * num_local + tid] = run;
+      run += c;
+    }
+}
+
+// CTA g places chunk g. Pass 1: warp w walks its part of the chunk 32 pairs at a time; lanes with
+// the same local expert find each other (match_any) and their leader adds their count to
+// cnt[w][e]. cnt then becomes each (expert, warp)'s first position: from chunk_base[g][e] (more
+// than one chunk) or from this CTA's own scan, which also writes the offsets and the tile table
+// (one chunk: chunk_base NULL). Pass 2 walks again and places each pair at its position + its
+// rank among the earlier lanes of the same expert.
+__global__ void __launch_bounds__(kPrepThreads) moe_prep_kernel(const int32_t* __restrict__ ids, int num_pairs,
+                                                                int top_k, int num_experts, int num_local,
+                                                                int expert_offset, int bn, const int32_t* chunk_base,
+                                                                int32_t* sorted_token, int32_t* sorted_expert,
+                                                                int32_t* pair_pos, int32_t* expert_offsets,
+                                                                int32_t* num_tiles, int32_t* tile_expert,
+                                                                int32_t* tile_start) {
+  extern __shared__ int32_t cnt[];  // [kPrepWarps][num_local]
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  for (int i = tid; i < kPrepWarps * num_local; i += kPrepThreads) cnt[i] = 0;
+  __syncthreads();
+
+  const int c_begin = blockIdx.x * kPrepChunk, c_end = chunk_base ? min(num_pairs, c_begin + kPrepChunk) : num_pairs;
+  const int per_warp = (c_end - c_begin + kPrepWarps - 1) / kPrepWarps;
+  const int begin = c_begin + warp * per_warp, end = min(c_end, begin + per_warp);
+  for (int base = begin; base < end; base += 32) {
+    const int le = prep_local_expert(ids, base + lane, end, num_experts, num_local, expert_offset);
+    const unsigned peers = __match_any_sync(0xffffffffu, le);
+    if (le >= 0 && lane == __ffs(peers) - 1) cnt[warp * num_local + le] += __popc(peers);
+    __syncwarp();  // the next round's leader of this expert may be another lane: order the shared RMWs
+  }
+  __syncthreads();
+
+  int run = 0;
+  if (chunk_base) {
+    if (tid < num_local) run = chunk_base[blockIdx.x * num_local + tid];
+  } else {
+    int tot = 0;
+    if (tid < num_local)
+      for (int w = 0; w < kPrepWarps; ++w) tot += cnt[w * num_local + tid];
+    run = prep_scan_experts(tot, num_local, bn, expert_offsets, num_tiles, tile_expert, tile_start);
+  }
+  if (tid < num_local)
+    for (int w = 0; w < kPrepWarps; ++w) {
+      const int c = cnt[w * num_local + tid];
+      cnt[w * num_local + tid] = run;
+      run += c;
+    }
   __syncthreads();
 
   const unsigned lanes_below = (1u << lane) - 1u;
   for (int base = begin; base < end; base += 32) {
-    const int pidx = base + lane, le = local_expert(pidx);
+    const int pidx = base + lane, le = prep_local_expert(ids, pidx, end, num_experts, num_local, expert_offset);
     const unsigned peers = __match_any_sync(0xffffffffu, le);
     const int pos = le >= 0 ? cnt[warp * num_local + le] + __popc(peers & lanes_below) : -1;
     __syncwarp();
@@ -284,11 +348,11 @@ enum class GemmPath { kAuto, kTma, kTmaPipe, kLegacy };
 
 struct MoePlan {
   int64_t pairs, p_pad;  // P, and P rounded up to 4 (the transposed scales' 16-byte rows)
-  int nkb_d, nkb_i, bn, max_tiles;
+  int nkb_d, nkb_i, bn, max_tiles, prep_chunks;
   bool tma;              // the expert GEMMs on fp8_gemm_ws.cuh (bn = 128)
   bool pipe;             // ... with its pipelined mainloop (kPipe; DSA_MOE_GEMM_PATH=tma: without)
   size_t off_qx, off_sx, off_qxs, off_sxs, off_gu, off_qh, off_sh, off_y, off_sorted_token, off_sorted_expert,
-      off_pair_pos, off_offsets, off_tile_expert, off_tile_start, total;
+      off_pair_pos, off_offsets, off_tile_expert, off_tile_start, off_chunk_cnt, total;
 };
 
 static size_t align256(size_t b) { return (b + 255) & ~static_cast<size_t>(255); }
@@ -341,6 +405,8 @@ static MoePlan plan_moe(int64_t t, int top_k, int num_local, int d, int inter, i
   const size_t table = static_cast<size_t>(dsa_ceil_div(p.pairs, kMinBn) + e);
   p.off_tile_expert = take(table * 4);
   p.off_tile_start = take(table * 4);
+  p.prep_chunks = static_cast<int>(std::max<int64_t>(1, dsa_ceil_div(p.pairs, kPrepChunk)));
+  p.off_chunk_cnt = take(p.prep_chunks > 1 ? static_cast<size_t>(p.prep_chunks) * e * 4 : 0);
   p.total = o;
   return p;
 }
@@ -548,10 +614,19 @@ extern "C" int dsa_launch_moe_experts(const DsaMoeExpertsParams* p, cudaStream_t
   const size_t prep_smem = static_cast<size_t>(kPrepWarps) * E * sizeof(int32_t);
   int st = dsa_kernel_attributes("moe_experts", reinterpret_cast<const void*>(moe_prep_kernel), prep_smem);
   if (st != DSA_OK) return st;
-  moe_prep_kernel<<<1, kPrepThreads, prep_smem, stream>>>(p->topk_ids, static_cast<int>(pairs), p->top_k,
-                                                         p->num_experts, E, p->expert_offset, plan.bn, sorted_token,
-                                                         sorted_expert, pair_pos, offsets, num_tiles, tile_expert,
-                                                         tile_start);
+  int32_t* chunk_cnt = nullptr;
+  if (plan.prep_chunks > 1) {
+    chunk_cnt = reinterpret_cast<int32_t*>(at(plan.off_chunk_cnt));
+    moe_prep_count_kernel<<<plan.prep_chunks, kPrepThreads, E * sizeof(int32_t), stream>>>(
+        p->topk_ids, static_cast<int>(pairs), p->num_experts, E, p->expert_offset, chunk_cnt);
+    DSA_CUDA_CHECK_LAUNCH();
+    moe_prep_scan_kernel<<<1, kPrepThreads, 0, stream>>>(plan.prep_chunks, E, plan.bn, chunk_cnt, offsets, num_tiles,
+                                                         tile_expert, tile_start);
+    DSA_CUDA_CHECK_LAUNCH();
+  }
+  moe_prep_kernel<<<plan.prep_chunks, kPrepThreads, prep_smem, stream>>>(
+      p->topk_ids, static_cast<int>(pairs), p->top_k, p->num_experts, E, p->expert_offset, plan.bn, chunk_cnt,
+      sorted_token, sorted_expert, pair_pos, offsets, num_tiles, tile_expert, tile_start);
   DSA_CUDA_CHECK_LAUNCH();
 
   const unsigned swiglu_blocks = static_cast<unsigned>(dsa_ceil_div(pairs * plan.nkb_i * 32, 256));
