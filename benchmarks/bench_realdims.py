@@ -1,6 +1,7 @@
 """Per-layer time of a real-dims V3.2 slice against its roofline, and a modelled 8xH200 decode (issue 25 item 7).
 
     python benchmarks/bench_realdims.py [--checkpoint DIR] [--layers 4] [--experts 256] [--quick] [--no-graphs]
+        [--compile] [--top-kernels N]
 
 The network: DSAForCausalLM with V3.2's real per-layer dims (export/real_dims.py), bf16 activations,
 fp8 caches, every e4m3 Linear kept W8A8 (weight_format="fp8") and the routed experts as one
@@ -89,6 +90,7 @@ import random
 import statistics
 import sys
 import time
+import traceback
 from collections import defaultdict
 from contextlib import contextmanager
 from pathlib import Path
@@ -98,7 +100,7 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from dsa_trt.config import ModelConfig
-from dsa_trt.export.layers import Fp8Linear, Router, StackedExperts, hadamard_matrix
+from dsa_trt.export.layers import Fp8Linear, Router, StackedExperts, hadamard_buffers
 from dsa_trt.export.network import DSAForCausalLM
 from dsa_trt.plugins.pools import allocate_pools
 from dsa_trt.step import StepInputs
@@ -159,7 +161,11 @@ def random_network(cfg: ModelConfig, device: str) -> DSAForCausalLM:
     net.load_state_dict(state, strict=True, assign=True)
     net.inv_freq = cfg.rope_inv_freq().to(device)
     for layer in net.model.layers:
-        layer.self_attn.indexer.hadamard = hadamard_matrix(cfg.index_head_dim).to(device)
+        for name, t in hadamard_buffers(cfg.index_head_dim).items():
+            setattr(layer.self_attn.indexer, name, t.to(device))
+    left = [name for name, t in list(net.named_parameters()) + list(net.named_buffers()) if t.is_meta]
+    if left:  # a meta tensor would turn its op's output meta and skip the kernels it feeds
+        raise RuntimeError(f"random_network: {', '.join(left[:4])} still on the meta device")
     return net.eval()
 
 
@@ -293,6 +299,35 @@ def per_kind_medians(net, runs: list[dict]) -> dict[str, dict[str, float]]:
             for kind, ids in (("dense", dense), ("MoE", moe)) if ids}
 
 
+def per_kind_kernels(net, runs: list[dict]) -> dict[tuple[str, str], list[tuple[str, float]]]:
+    """runs: one {(layer, region, kernel): µs} per replay -> {(layer kind, region): [(kernel, µs per
+    layer of the kind: median over the replays)] longest first}."""
+    kinds = {i: "dense" if layer.dense_mlp else "MoE" for i, layer in enumerate(net.model.layers)}
+    count = defaultdict(int)
+    for k in kinds.values():
+        count[k] += 1
+    per: dict = defaultdict(lambda: defaultdict(list))
+    for r in runs:
+        acc: dict = defaultdict(float)
+        for (layer, region, name), us in r.items():
+            if layer in kinds:
+                acc[(kinds[layer], region, name)] += us / count[kinds[layer]]
+        for (kind, region, name), us in acc.items():
+            per[(kind, region)][name].append(us)
+    return {key: sorted(((n, statistics.median(v + [0.0] * (len(runs) - len(v)))) for n, v in names.items()),
+                        key=lambda r: -r[1])
+            for key, names in per.items()}
+
+
+def print_top_kernels(label: str, got: dict, top: int) -> None:
+    """The `top` longest kernels of every (layer kind, region) of one graph shape, µs per layer."""
+    for (kind, region), rows in sorted(got.get("kernels", {}).items()):
+        shown = rows[:top]
+        rest = sum(us for _, us in rows[top:])
+        print(f"  {label} | {kind} | {region}: " + "; ".join(f"{n[:70]} {us:.1f}" for n, us in shown)
+              + (f"; {len(rows) - top} more {rest:.1f}" if rows[top:] else ""), flush=True)
+
+
 def timed_forward(net, step, pools, iters: int, warmup: int = 1) -> tuple[dict, float, float]:
     """-> (per layer kind and category: median µs, median routed experts touched per MoE layer, whole forward µs)."""
     runs, touched, walls = [], [], []
@@ -336,7 +371,8 @@ class GraphSplitError(RuntimeError):
 
 
 def capture_step(net, step, pools) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-    """The whole forward of ``step`` captured into one graph (outputs: the graph's logits buffer)."""
+    """The whole forward of ``step`` captured into one graph (outputs: the graph's logits buffer).
+    net: the network, or its torch.compile'd forward (--compile)."""
     args = (*step.as_tuple(), *pools)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -381,10 +417,14 @@ def _tag(name: str) -> tuple[int | None, str]:
     return (None if layer == "None" else int(layer)), region
 
 
-def split_replays(cpu: list, gpu: list) -> tuple[list[dict], int, int]:
+def split_replays(cpu: list, gpu: list, kernels: list | None = None,
+                  unmatched_rest: bool = False) -> tuple[list[dict], int, int]:
     """Events of profiled_replays -> ([{(layer, region): µs} per replay], the fewest activities of a
     replay matched by name to the eager forward's, the most activities of a replay) (method: module
-    docstring)."""
+    docstring). kernels: gets one {(layer, region, activity name): µs} per replay, the same split.
+    unmatched_rest: an activity without a same-name partner goes to the layer of the activity
+    before it but to "rest" (the compiled graph: Inductor's fused kernels are the norms, RoPE,
+    quantisation... that eager runs as separate kernels)."""
     eager = next(((s, f) for n, s, f, _ in cpu if n == EAGER_RANGE), None)
     starts = sorted(s for n, s, _, _ in cpu if n == REPLAY_RANGE)
     if eager is None or not starts:
@@ -420,19 +460,27 @@ def split_replays(cpu: list, gpu: list) -> tuple[list[dict], int, int]:
         matched, most = min(matched, sum(i is not None for i in src)), max(most, len(acts))
         first = next((i for i in src if i is not None), 0)
         totals: dict = defaultdict(float)
+        by_name: dict = defaultdict(float)
         cursor, last = acts[0][0], first
-        for (s, f, _), i in zip(acts, src):
+        for (s, f, n), i in zip(acts, src):
             last = last if i is None else i  # no same-name partner: the tag of the activity before
-            totals[ref_tags[last]] += max(0, f - cursor) / 1e3
+            where = ref_tags[last]
+            if i is None and unmatched_rest and where != OUTSIDE:
+                where = (where[0], "rest")
+            totals[where] += max(0, f - cursor) / 1e3
+            by_name[(*where, n)] += max(0, f - cursor) / 1e3
             cursor = max(cursor, f)
         runs.append(totals)
+        if kernels is not None:
+            kernels.append(by_name)
     return runs, matched, most
 
 
-def graph_shape(net, build, pages_needed, replays: int, device) -> dict:
+def graph_shape(net, build, pages_needed, replays: int, device, compiled=None) -> dict:
     """One decode shape under CUDA graphs -> {"step_us", "per_kind", "outside", "touched", "split_us",
     "matched", "activities"}; a failure: {"error": "OOM" | "SPLIT UNAVAILABLE" | "<stage> FAILED",
-    "why": ...} (with "step_us" where it was measured)."""
+    "why": ...} (with "step_us" where it was measured). compiled: the forward to capture instead of
+    the eager network's (the tagged reference forward stays eager)."""
     cfg, got, pools, graph, out = net.cfg, {}, None, None, None
     stage = "setup"
     try:
@@ -441,21 +489,23 @@ def graph_shape(net, build, pages_needed, replays: int, device) -> dict:
             p.random_(0, 120)
         step = build(pages_needed + 2)
         stage = "CAPTURE"
-        graph, out = capture_step(net, step, pools)
+        graph, out = capture_step(compiled if compiled is not None else net, step, pools)
         stage = "REPLAY"
         graph.replay()  # first replay (uploads the graph) untimed
         got["step_us"] = median_step_us(graph.replay, replays)
         stage = "PROFILE"
         cpu, gpu, touched = profiled_replays(net, step, pools, graph, PROFILED_REPLAYS)
-        runs, matched, activities = split_replays(cpu, gpu)
-        got.update(per_kind=per_kind_medians(net, runs), outside=statistics.median(r[OUTSIDE] for r in runs),
-                   split_us=statistics.median(sum(r.values()) for r in runs), matched=matched,
+        kernels: list = []
+        runs, matched, activities = split_replays(cpu, gpu, kernels, unmatched_rest=compiled is not None)
+        got.update(kernels=per_kind_kernels(net, kernels), per_kind=per_kind_medians(net, runs),
+                   outside=statistics.median(r[OUTSIDE] for r in runs), split_us=statistics.median(sum(r.values()) for r in runs), matched=matched,
                    activities=activities, touched=statistics.median(touched) if touched else 0)
     except torch.OutOfMemoryError as e:
         got.update(error="OOM", why=f"{stage}: {str(e).splitlines()[0][:120]}")
     except GraphSplitError as e:
         got.update(error="SPLIT UNAVAILABLE", why=str(e))
     except Exception as e:  # noqa: BLE001 - e.g. an op that syncs while the stream is captured: the row says which
+        traceback.print_exc(file=sys.stderr)  # the row keeps one line; the whole story goes to stderr
         got.update(error=f"{stage} FAILED", why=f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}")
     finally:
         del graph, out, pools
@@ -609,6 +659,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-graphs", action="store_true", help="skip the CUDA-graph decode rows (eager only)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--quick", action="store_true", help="3 timed forwards per shape, 20 graph replays")
+    ap.add_argument("--compile", action="store_true",
+                    help="capture the graph rows from torch.compile's Inductor forward, as the engine's AOTInductor "
+                         "program fuses it (the eager rows stay eager)")
+    ap.add_argument("--top-kernels", type=int, default=0, metavar="N",
+                    help="after the CUDA-graph rows: the N longest kernels of every layer kind and region, µs per layer")
     a = ap.parse_args(argv)
     iters = 3 if a.quick else a.iters
     replays = 20 if a.quick else a.replays
@@ -651,11 +706,26 @@ def main(argv: list[str] | None = None) -> int:
               "each GPU activity tagged with the eager forward's (layer, region) of the same launch (module "
               f"docstring); eager µs/step: median of {replays} eager forwards without hooks; OOM / ... FAILED rows: "
               "the sweep went on")
+        compiled = None
+        if a.compile:
+            torch._dynamo.config.cache_size_limit = max(64, len(shapes) + 8)  # one graph per decode shape
+            compiled = torch.compile(net, fullgraph=True, dynamic=False)
+            print("graph rows: the torch.compile (Inductor) forward; its kernels without an eager same-name "
+                  "partner (Inductor's fusions) are charged to \"rest\" of their layer", flush=True)
         table_header(GRAPH_COLUMNS)
         for label, key, build, pages, seqs, tokens in shapes:
-            got = graph_shape(net, build, pages, replays, device)
+            t1 = time.perf_counter()
+            got = graph_shape(net, build, pages, replays, device, compiled)
+            if compiled is not None:
+                print(f"  {label}: compiled, captured and profiled in {time.perf_counter() - t1:.0f} s",
+                      file=sys.stderr, flush=True)
             print_graph_rows(net, label, got, decode[key][2] if key in decode else None, seqs, tokens)
             graph_rows[key] = got
+        if a.top_kernels > 0:
+            print(f"\nthe {a.top_kernels} longest kernels of each region under CUDA graphs, µs per layer (median of "
+                  f"{PROFILED_REPLAYS} profiled replays)")
+            for label, key, *_ in shapes:
+                print_top_kernels(label, graph_rows[key], a.top_kernels)
     else:
         print(f"\nCUDA graphs: skipped ({'--no-graphs' if a.no_graphs else f'device {device.type}: graphs need CUDA'})")
     model_8gpu(decode, graph_rows, cfg)
