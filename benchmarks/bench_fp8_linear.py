@@ -116,7 +116,7 @@ def main() -> None:
     header = ("| shape (N x K) | T | path | µs | TFLOP/s | TB/s | % of roofline | bf16 matmul µs | _scaled_mm µs | "
               "vs _scaled_mm |")
     rows = [header, "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
-    print(header, flush=True)
+    print("\n".join(rows), flush=True)
     for name, n, k in SHAPES:
         w8 = random_e4m3((n, k), g)
         ws = (torch.rand(-(-n // BLOCK), -(-k // BLOCK), generator=g, device="cuda") * 1e-2 + 1e-3).contiguous()

@@ -246,7 +246,7 @@ def main() -> None:
     s2 = torch.rand(NUM_EXPERTS, D // BLOCK, I // BLOCK, generator=g, device="cuda") * 1e-3 + 1e-4
     lib = KernelLibrary()
     rows = [HEADER, "|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---|---:|"]
-    print(HEADER, flush=True)
+    print("\n".join(rows), flush=True)
     notes = set()
     for t in args.tokens or (QUICK_TOKENS if args.quick else TOKENS):
         try:
