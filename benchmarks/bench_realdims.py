@@ -78,6 +78,15 @@ pairs, 2 x B x 8 x 7168 x 2 B, 7/8 of it over NVLink at 450 GB/s. A row is kept 
 plan's cache holds B sequences of the context on a GPU (else it says how many it holds: 176 of 4K,
 22 of 32K for V3.2 on 141 GB; measure that batch too, e.g. ``--batches 1 22 32 128``). Output tok/s
 per GPU = B / step.
+
+``--mtp`` adds each decode shape as the verify step of one MTP draft (2 query tokens per sequence,
+"verify B=..x2" rows) and a third model: the attention-DP + EP8 decode with MTP, whose step is the 61
+layers as measured at the verify shape (the experts alone at 2B and 16B tokens, as above) plus the
+MTP layer (a decoder layer with its own 256 experts: one more MoE layer at the decode shape) and
+yields 1 + a tokens per sequence, a = ``--mtp-acceptance`` (assumed, default 0.85: DeepSeek's 85-90%
+for V3.2; the tiny embedded model's is measured by dsa-trt bench). Its plan holds the MTP layer's
+weights and caches too (20 sequences of 32K per GPU, 163 of 4K). Each row also says which acceptance
+would give 1,000 output tok/s per GPU.
 """
 
 from __future__ import annotations
@@ -538,7 +547,9 @@ def layer_roofline(net, kind: str, tokens: int, seqs: list[tuple[int, int]],
     e = cfg.n_routed_experts
     weight_bytes += routed_bytes * min(experts_touched, e) / e if kind == "MoE" else 0
     topk, h = cfg.index_topk, cfg.num_attention_heads
-    cache = sum(ctx * 132 + min(ctx, topk) * 576 if q == 1 else ctx * (132 + 576) for q, ctx in seqs)
+    # each sequence's indexer keys once; its queries' top-k MLA rows, at most every row once
+    # (decode / verify: ctx = the sequence's length after its q new tokens; prefill: every row)
+    cache = sum(ctx * 132 + min(q * min(ctx, topk), ctx) * 576 for q, ctx in seqs)
     # keys each query token sees: decode the context; a prefill chunk causal 1..ctx
     keys = sum(ctx if q == 1 else q * (2 * ctx - q + 1) / 2 for q, ctx in seqs)
     selected = sum(min(ctx, topk) if q == 1 else sum(min(ctx - q + j + 1, topk) for j in range(q)) for q, ctx in seqs)
@@ -559,11 +570,14 @@ def roofline_us(bytes_, fp8, bf16) -> float:
 
 
 # ------------------------------------------------------------------------------------------ shapes
-def decode_step(cfg, batch: int, context: int, num_pages: int, rng: random.Random, device) -> StepInputs:
-    ppd = -(-(context + 1) // 64)
+def decode_step(cfg, batch: int, context: int, num_pages: int, rng: random.Random, device,
+                query: int = 1) -> StepInputs:
+    """``batch`` sequences of ``context`` cached tokens, each with ``query`` new tokens (1: decode; 2:
+    the verify step of one MTP draft)."""
+    ppd = -(-(context + query) // 64)
     pages = rng.sample(range(num_pages), batch * ppd)
-    return StepInputs.build([([rng.randrange(2, cfg.vocab_size)], context, pages[i * ppd:(i + 1) * ppd])
-                             for i in range(batch)], device=device)
+    return StepInputs.build([([rng.randrange(2, cfg.vocab_size) for _ in range(query)], context,
+                              pages[i * ppd:(i + 1) * ppd]) for i in range(batch)], device=device)
 
 
 def prefill_step(cfg, tokens: int, num_pages: int, rng: random.Random, device) -> StepInputs:
@@ -662,6 +676,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compile", action="store_true",
                     help="capture the graph rows from torch.compile's Inductor forward, as the engine's AOTInductor "
                          "program fuses it (the eager rows stay eager)")
+    ap.add_argument("--mtp", action="store_true",
+                    help="also measure each decode shape as an MTP verify step (2 query tokens per sequence) and "
+                         "model the attention-DP + EP8 decode with one draft")
+    ap.add_argument("--mtp-acceptance", type=float, default=0.85,
+                    help="the draft acceptance the MTP model assumes (default 0.85: DeepSeek reports 85-90%%)")
     ap.add_argument("--top-kernels", type=int, default=0, metavar="N",
                     help="after the CUDA-graph rows: the N longest kernels of every layer kind and region, µs per layer")
     a = ap.parse_args(argv)
@@ -691,11 +710,17 @@ def main(argv: list[str] | None = None) -> int:
             shapes.append((f"decode B={b} ctx={tokens_label(ctx)}", (b, ctx),
                            lambda n, b=b, ctx=ctx: decode_step(cfg, b, ctx, n, rng, device),
                            b * -(-(ctx + 1) // 64), [(1, ctx)] * b, b))
-    decode = {}
+    if a.mtp:  # the verify step of one MTP draft: 2 query tokens per sequence after ctx cached ones
+        for ctx in a.contexts:
+            for b in a.batches:
+                shapes.append((f"verify B={b}x2 ctx={tokens_label(ctx)}", ("verify", b, ctx),
+                               lambda n, b=b, ctx=ctx: decode_step(cfg, b, ctx, n, rng, device, query=2),
+                               b * -(-(ctx + 2) // 64), [(2, ctx + 2)] * b, 2 * b))
+    decode, verify = {}, {}
     for label, key, build, pages, seqs, tokens in shapes:
         got = run_shape(net, label, build, pages, seqs, tokens, iters, device, a.warmup, replays if graphs else 0)
         if got:
-            decode[key] = got
+            (verify if key[0] == "verify" else decode)[key[-2:]] = got
     for s in a.prefill:
         run_shape(net, f"prefill {tokens_label(s)} tokens", lambda n, s=s: prefill_step(cfg, s, n, rng, device),
                   -(-s // 64), [(s, s)], s, iters, device, a.warmup)
@@ -719,7 +744,8 @@ def main(argv: list[str] | None = None) -> int:
             if compiled is not None:
                 print(f"  {label}: compiled, captured and profiled in {time.perf_counter() - t1:.0f} s",
                       file=sys.stderr, flush=True)
-            print_graph_rows(net, label, got, decode[key][2] if key in decode else None, seqs, tokens)
+            eager = (verify if key[0] == "verify" else decode).get(key[-2:])
+            print_graph_rows(net, label, got, eager[2] if eager else None, seqs, tokens)
             graph_rows[key] = got
         if a.top_kernels > 0:
             print(f"\nthe {a.top_kernels} longest kernels of each region under CUDA graphs, µs per layer (median of "
@@ -731,8 +757,10 @@ def main(argv: list[str] | None = None) -> int:
     model_8gpu(decode, graph_rows, cfg)
     if device.type == "cuda" and cfg.n_routed_experts == 256 and decode:
         batches = sorted({b for b, _ in decode})
-        model_8gpu_dp(decode, graph_rows, experts_alone_us(net, sorted({*batches, *(WORLD * b for b in batches)}),
-                                                           replays, device), cfg)
+        tokens = {*batches, *(WORLD * b for b in batches)}
+        tokens |= {2 * t for t in tokens} if verify else set()
+        model_8gpu_dp(decode, graph_rows, experts_alone_us(net, sorted(tokens), replays, device), cfg, verify,
+                      a.mtp_acceptance)
     return 0
 
 
@@ -763,6 +791,23 @@ def experts_alone_us(net, tokens: list[int], replays: int, device) -> dict[int, 
     return out
 
 
+def dp_layers_us(per_kind: dict, tokens: int, experts_us: dict[int, float], cfg: ModelConfig) -> dict:
+    """One GPU's dense and MoE layer under attention-DP + EP8 (module docstring) from a measured
+    single-GPU split at ``tokens`` query tokens: {"dense", "moe_layer", "moe", "comm"} in µs."""
+    layer_us = {kind: sum(cats.values()) for kind, cats in per_kind.items()}
+    # the region's non-expert part (router, casts) cannot be negative: the graph's region split
+    # charges some launch gaps elsewhere, so its MoE may come out below the experts timed alone
+    moe = max(per_kind["MoE"]["MoE"] - experts_us[tokens], 0.0) + experts_us[WORLD * tokens] / WORLD
+    comm = 2 * tokens * cfg.num_experts_per_tok * cfg.hidden_size * 2 * (WORLD - 1) / WORLD / NVLINK_BPS * 1e6
+    moe_layer = layer_us["MoE"] - per_kind["MoE"]["MoE"] + moe + comm
+    return {"dense": layer_us.get("dense", moe_layer), "moe_layer": moe_layer, "moe": moe, "comm": comm}
+
+
+def _per_kind(graph_rows: dict, key, eager_kinds: dict) -> tuple[dict, str]:
+    g = graph_rows.get(key, {})
+    return (g["per_kind"], "graph") if "per_kind" in g else (eager_kinds, "eager")
+
+
 def dp_ep_rows(decode: dict, graph_rows: dict, experts_us: dict[int, float], cfg: ModelConfig,
                seqs_held) -> list[dict]:
     """The attention-DP + EP8 model's rows (module docstring): per measured (B, context) with the
@@ -770,8 +815,7 @@ def dp_ep_rows(decode: dict, graph_rows: dict, experts_us: dict[int, float], cfg
     cache holds. Pure arithmetic over the measured numbers (tests/test_bench_realdims_model.py)."""
     rows = []
     for (b, ctx), (eager_kinds, _, _) in sorted(decode.items(), key=lambda kv: (kv[0][1], kv[0][0])):
-        g = graph_rows.get((b, ctx), {})
-        per_kind, source = (g["per_kind"], "graph") if "per_kind" in g else (eager_kinds, "eager")
+        per_kind, source = _per_kind(graph_rows, (b, ctx), eager_kinds)
         if "MoE" not in per_kind or b not in experts_us or WORLD * b not in experts_us:
             continue
         held = seqs_held(ctx)
@@ -779,21 +823,47 @@ def dp_ep_rows(decode: dict, graph_rows: dict, experts_us: dict[int, float], cfg
         if b > held:
             rows.append(row)
             continue
-        layer_us = {kind: sum(cats.values()) for kind, cats in per_kind.items()}
-        # the region's non-expert part (router, casts) cannot be negative: the graph's region split
-        # charges some launch gaps elsewhere, so its MoE may come out below the experts timed alone
-        moe = max(per_kind["MoE"]["MoE"] - experts_us[b], 0.0) + experts_us[WORLD * b] / WORLD
-        comm = 2 * b * cfg.num_experts_per_tok * cfg.hidden_size * 2 * (WORLD - 1) / WORLD / NVLINK_BPS * 1e6
-        moe_layer = layer_us["MoE"] - per_kind["MoE"]["MoE"] + moe + comm
-        dense_layer = layer_us.get("dense", moe_layer)
-        step = FULL_DENSE * dense_layer + (FULL_LAYERS - FULL_DENSE) * moe_layer
-        row.update(step_us=step, comm_us=(FULL_LAYERS - FULL_DENSE) * comm, moe_us=moe,
+        lay = dp_layers_us(per_kind, b, experts_us, cfg)
+        step = FULL_DENSE * lay["dense"] + (FULL_LAYERS - FULL_DENSE) * lay["moe_layer"]
+        row.update(step_us=step, comm_us=(FULL_LAYERS - FULL_DENSE) * lay["comm"], moe_us=lay["moe"],
                    tok_s_per_gpu=b / (step / 1e6), per_user=1e6 / step)
         rows.append(row)
     return rows
 
 
-def model_8gpu_dp(decode: dict, graph_rows: dict, experts_us: dict[int, float], cfg: ModelConfig) -> None:
+def mtp_dp_rows(decode: dict, verify: dict, graph_rows: dict, experts_us: dict[int, float], cfg: ModelConfig,
+                seqs_held, acceptance: float) -> list[dict]:
+    """The attention-DP + EP8 model with MTP (one draft per sequence, module docstring): per (B,
+    context) measured both as a decode step and as a verify step of 2 query tokens per sequence.
+    A step = the 61 layers at the verify shape + the MTP layer (an MoE layer) at the decode shape;
+    it yields 1 + ``acceptance`` tokens per sequence. Pure arithmetic (tests/test_bench_realdims_model.py)."""
+    rows = []
+    for (b, ctx), (eager_kinds, _, _) in sorted(decode.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        if (b, ctx) not in verify:
+            continue
+        per_kind, source = _per_kind(graph_rows, (b, ctx), eager_kinds)
+        v_kind, v_source = _per_kind(graph_rows, ("verify", b, ctx), verify[(b, ctx)][0])
+        if "MoE" not in per_kind or "MoE" not in v_kind or any(
+                t not in experts_us for t in (b, WORLD * b, 2 * b, 2 * WORLD * b)):
+            continue
+        held = seqs_held(ctx)
+        row = {"b": b, "ctx": ctx, "source": source if source == v_source else f"{v_source} / {source}",
+               "held": held}
+        if b > held:
+            rows.append(row)
+            continue
+        ver, draft = dp_layers_us(v_kind, 2 * b, experts_us, cfg), dp_layers_us(per_kind, b, experts_us, cfg)
+        step = FULL_DENSE * ver["dense"] + (FULL_LAYERS - FULL_DENSE) * ver["moe_layer"] + draft["moe_layer"]
+        tokens = b * (1 + acceptance)
+        row.update(step_us=step, draft_us=draft["moe_layer"], tok_s_per_gpu=tokens / (step / 1e6),
+                   per_user=(1 + acceptance) * 1e6 / step,
+                   acceptance_for_1000=max(1000 * step / 1e6 / b - 1, 0.0))
+        rows.append(row)
+    return rows
+
+
+def model_8gpu_dp(decode: dict, graph_rows: dict, experts_us: dict[int, float], cfg: ModelConfig,
+                  verify: dict | None = None, acceptance: float = 0.85) -> None:
     from dsa_trt.plan import load_config, make_plan
 
     full = load_config(REAL_CONFIG)
@@ -815,6 +885,29 @@ def model_8gpu_dp(decode: dict, graph_rows: dict, experts_us: dict[int, float], 
         print(f"| {tokens_label(r['ctx'])} | {r['b']} | {r['source']} | {r['step_us'] / 1e3:.2f} | "
               f"{r['comm_us'] / 1e3:.2f} | {r['moe_us']:.1f} | {r['tok_s_per_gpu']:,.0f} | {r['per_user']:.1f} |")
     print(PEERS)
+    if not verify:
+        return
+    mplan = make_plan(full, tp=1, ep=WORLD, gpu_memory_gb=141.0, include_mtp=True)
+    print(f"\nthe same model with MTP, one draft per sequence (plan.py tp=1 ep=8 with the MTP layer: "
+          f"{mplan.ranks[0].weight_bytes / 1e9:.1f} GB of weights and {mplan.tokens_per_group:,} cache tokens per GPU, "
+          f"fits {mplan.fits}): a step = the 61 layers measured as a verify step (2 query tokens per sequence, the "
+          f"experts alone at 2B and 16B tokens) + the MTP layer as a decode MoE layer at B; each step yields 1 + a "
+          f"tokens per sequence, a = {acceptance:.2f} the draft's acceptance assumed (not measured here: DeepSeek "
+          "reports 85-90% for V3.2's MTP, research/realsize_anchors.md §5); 'a for 1,000': the acceptance that "
+          "would give 1,000 output tok/s per GPU")
+    print("| context | batch per GPU | layers from | step ms | of it the MTP layer µs | output tok/s per GPU | "
+          "per user tok/s | a for 1,000 |")
+    print("|---|---:|---|---:|---:|---:|---:|---:|")
+    for r in mtp_dp_rows(decode, verify, graph_rows, experts_us, cfg, lambda ctx: mplan.tokens_per_group // ctx,
+                         acceptance):
+        if "step_us" not in r:
+            print(f"| {tokens_label(r['ctx'])} | {r['b']} | {r['source']} | does not fit: a GPU's cache holds "
+                  f"{r['held']} sequences of {tokens_label(r['ctx'])} | | | | |")
+            continue
+        need = r["acceptance_for_1000"]
+        print(f"| {tokens_label(r['ctx'])} | {r['b']} | {r['source']} | {r['step_us'] / 1e3:.2f} | "
+              f"{r['draft_us']:.1f} | {r['tok_s_per_gpu']:,.0f} | {r['per_user']:.1f} | "
+              f"{'0 (met without drafts)' if need == 0 else f'{need:.2f}'}{' (over 1: out of reach)' if need > 1 else ''} |")
 
 
 def model_8gpu(decode: dict, graph_rows: dict, cfg: ModelConfig) -> None:

@@ -74,3 +74,46 @@ def test_dp_ep_rows_never_charge_a_negative_router(bench):
     rows = bench.dp_ep_rows({(32, 4096): ({}, 0, 0.0)}, {(32, 4096): {"per_kind": per_kind}},
                             {32: 1796.7, 256: 2904.7}, cfg, lambda ctx: 1000)
     assert rows[0]["moe_us"] == pytest.approx(2904.7 / 8)
+
+
+def test_mtp_dp_rows_arithmetic(bench):
+    """The MTP model: 61 layers at the verify shape (2B query tokens, experts alone at 2B and 16B)
+    plus one MoE layer at the decode shape, 1 + a tokens per sequence per step."""
+    from dsa_trt.plan import load_config
+
+    cfg = load_config(bench.REAL_CONFIG)
+    dec = {"dense": _cats(10, 20, 300, 0, 70), "MoE": _cats(10, 20, 100, 1000, 70)}
+    ver = {"dense": _cats(12, 30, 310, 0, 75), "MoE": _cats(12, 30, 110, 1500, 75)}
+    experts = {20: 900.0, 160: 2400.0, 40: 1400.0, 320: 2800.0}
+    decode = {(20, 32768): ({}, 0, 0.0)}
+    verify = {(20, 32768): ({}, 0, 0.0)}
+    graph_rows = {(20, 32768): {"per_kind": dec}, ("verify", 20, 32768): {"per_kind": ver}}
+    rows = bench.mtp_dp_rows(decode, verify, graph_rows, experts, cfg, lambda ctx: 20, 0.85)
+    assert len(rows) == 1
+    r = rows[0]
+
+    def comm(tokens):
+        return 2 * tokens * 8 * 7168 * 2 * 7 / 8 / 450e9 * 1e6
+
+    ver_moe_layer = 12 + 30 + 110 + 75 + (1500 - 1400 + 2800 / 8) + comm(40)
+    draft = 10 + 20 + 100 + 70 + (1000 - 900 + 2400 / 8) + comm(20)
+    step = 3 * (12 + 30 + 310 + 75) + 58 * ver_moe_layer + draft
+    assert r["source"] == "graph"
+    assert r["draft_us"] == pytest.approx(draft)
+    assert r["step_us"] == pytest.approx(step)
+    assert r["tok_s_per_gpu"] == pytest.approx(20 * 1.85 / (step / 1e6))
+    assert r["acceptance_for_1000"] == pytest.approx(1000 * step / 1e6 / 20 - 1)
+    # a batch the cache cannot hold keeps only what it holds
+    rows = bench.mtp_dp_rows(decode, verify, graph_rows, experts, cfg, lambda ctx: 19, 0.85)
+    assert rows == [{"b": 20, "ctx": 32768, "source": "graph", "held": 19}]
+
+
+def test_verify_step_has_two_query_tokens_per_sequence(bench):
+    import random
+
+    from dsa_trt.plan import load_config
+
+    cfg = load_config(bench.REAL_CONFIG)
+    step = bench.decode_step(cfg, 3, 100, 64, random.Random(0), "cpu", query=2)
+    assert step.input_ids.numel() == 6
+    assert step.positions.tolist() == [100, 101] * 3
