@@ -507,7 +507,8 @@ def graph_shape(net, build, pages_needed, replays: int, device, compiled=None) -
         kernels: list = []
         runs, matched, activities = split_replays(cpu, gpu, kernels, unmatched_rest=compiled is not None)
         got.update(kernels=per_kind_kernels(net, kernels), per_kind=per_kind_medians(net, runs),
-                   outside=statistics.median(r[OUTSIDE] for r in runs), split_us=statistics.median(sum(r.values()) for r in runs), matched=matched,
+                   outside=statistics.median(r[OUTSIDE] for r in runs),
+                   split_us=statistics.median(sum(r.values()) for r in runs), matched=matched,
                    activities=activities, touched=statistics.median(touched) if touched else 0)
     except torch.OutOfMemoryError as e:
         got.update(error="OOM", why=f"{stage}: {str(e).splitlines()[0][:120]}")
@@ -682,7 +683,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mtp-acceptance", type=float, default=0.85,
                     help="the draft acceptance the MTP model assumes (default 0.85: DeepSeek reports 85-90%%)")
     ap.add_argument("--top-kernels", type=int, default=0, metavar="N",
-                    help="after the CUDA-graph rows: the N longest kernels of every layer kind and region, µs per layer")
+                    help="after the CUDA-graph rows: the N longest kernels of every layer kind and region, "
+                         "µs per layer")
     a = ap.parse_args(argv)
     iters = 3 if a.quick else a.iters
     replays = 20 if a.quick else a.replays
@@ -905,9 +907,10 @@ def model_8gpu_dp(decode: dict, graph_rows: dict, experts_us: dict[int, float], 
                   f"{r['held']} sequences of {tokens_label(r['ctx'])} | | | | |")
             continue
         need = r["acceptance_for_1000"]
+        need_s = "0 (met without drafts)" if need == 0 else f"{need:.2f}"
+        need_s += " (over 1: out of reach)" if need > 1 else ""
         print(f"| {tokens_label(r['ctx'])} | {r['b']} | {r['source']} | {r['step_us'] / 1e3:.2f} | "
-              f"{r['draft_us']:.1f} | {r['tok_s_per_gpu']:,.0f} | {r['per_user']:.1f} | "
-              f"{'0 (met without drafts)' if need == 0 else f'{need:.2f}'}{' (over 1: out of reach)' if need > 1 else ''} |")
+              f"{r['draft_us']:.1f} | {r['tok_s_per_gpu']:,.0f} | {r['per_user']:.1f} | {need_s} |")
 
 
 def model_8gpu(decode: dict, graph_rows: dict, cfg: ModelConfig) -> None:
