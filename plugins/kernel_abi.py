@@ -61,6 +61,7 @@ SIGNATURES = {
     "dsa_moe_experts_workspace_size": (c_size_t, [c_int64, c_int, c_int, c_int, c_int, c_int]),
     "dsa_launch_moe_experts": (c_int, [POINTER(MoeExpertsParams), c_void_p]),
     "dsa_moe_experts_path": (c_char_p, [c_int64, c_int, c_int]),
+    "dsa_sparse_mla_workspace_size": (c_size_t, [c_int64, c_int, c_int, c_int]),
 }
 
 

@@ -11,7 +11,7 @@ fp8 pool, three tiers (per output; tolerances next to each check with the reason
 bf16 pool (exact mode): one tier vs the float64 reference.
 
 Split-KV (fp8, small T): the launcher cuts each token's top-k list into chunks of whole 64-key
-tiles when T * ceil(H / 64) CTAs would leave the GPU idle (auto: one wave of the SMs; num_splits /
+tiles when T * ceil(H / 64) CTAs would leave the GPU idle (auto: up to two waves of the SMs; num_splits /
 DSA_MLA_SPLITS force a count) and combines the partials (fp16) by lse. Each chunk has its own running
 max, so its P rounds to e4m3 differently from the unsplit run: tier 1 of a split run compares with
 a per-chunk replay (the launcher's chunk boundaries, ref_sparse_mla.fp8_split_chunks) merged by lse
@@ -197,9 +197,10 @@ def check_fp8(K, case, params: str, score_std: float = 1.5, num_splits: int | No
     e_out, e_lse = R.sparse_mla_fp8_emulated(q, pool8, slots, kv_scale, SM_SCALE, chunks)
     rel_fro, row_rel = fp8_emulated_tols(score_std)
     check_close("out vs fp8-emulated", out, e_out, rel_fro=rel_fro, row_rel=row_rel, params=params)
-    # lse: the same accumulation error, in absolute log units, scales with the score spread
-    # (measured max 0.047 at score std 1.5).
-    check_close("lse vs fp8-emulated", lse, e_lse, rel_fro=2e-3, atol=0.05 * score_std, params=params)
+    # lse: the same accumulation error, in absolute log units, scales with the score spread and its
+    # tail with the row count (measured max at score std 1.5: 0.026-0.047 over <= 1024 rows, 0.040 and
+    # 0.082 over 5120 rows (T=40 x 128 heads, two seeds; the same unsplit and split: p99.9 0.018-0.023)).
+    check_close("lse vs fp8-emulated", lse, e_lse, rel_fro=2e-3, atol=0.065 * score_std, params=params)
     # tier 2: the spec on the same dequantised pool with q unquantised: adds the q -> e4m3 error,
     # which grows with the score spread (float32 replay: 3.2-3.6e-2 at score std 1.5, 6.2e-2 at 6;
     # lse max abs 0.13 at 1.5, 0.68 at 6).
@@ -337,6 +338,7 @@ SPLIT_CASES = [
     (3, 64, 2048, 256, {"dead_range": (512, 1024)}, (4, 32)),  # num_splits=4: chunk 1 is all -1
     (8, 16, 2048, 128, {"empty_tokens": (2,)}, (2, 8)),        # an all -1 row: out 0, lse -inf
     (8, 128, 2048, 256, {}, (4,)),                             # b=8 decode: auto = 8 chunks of 4 tiles
+    (40, 128, 2048, 512, {}, (2,)),                            # verify of 1 draft, B=20: auto = 3 chunks, 2 waves
     (2, 128, 512, 64, {"pad_tail": 300}, (2, 8)),              # -1 tail: the last chunks empty / partial
     (3, 16, 77, 16, {}, (2,)),                                 # odd k: 2 tiles, the second holds 13 keys
     (1, 64, 200, 16, {"invalid_frac": 0.3}, (4,)),             # k % 64 != 0 with holes
@@ -457,7 +459,7 @@ def test_fp8_split_null_workspace(K):
 
 @pytest.mark.parametrize("tokens,topk,num_splits,needle", [
     (2, 64, -1, "num_splits=-1 < 0"),
-    (34, 128, 2, "exceeds the split grid limit of 132 CTAs"),  # 34 tokens x 2 head blocks x 2 chunks = 136
+    (67, 128, 2, "exceeds the split grid limit of 264 CTAs"),  # 67 tokens x 2 head blocks x 2 chunks = 268
 ])
 def test_split_bad_params_fail_loudly(K, tokens, topk, num_splits, needle):
     case = make_case(55, tokens, 128, topk, 8)

@@ -30,11 +30,16 @@ static_assert(dsa_sparse_mla::kMaxSplits * kTileKeys >= kMaxTopk, "a split launc
 constexpr int kHeadsPerCta = 64;   // the fp8 kernel's head block (wgmma M)
 constexpr int kMaxHeads = 128;     // the largest instantiated head count (padding goes up to it)
 constexpr size_t kPartBytesPerRow = DSA_MLA_V_DIM * sizeof(__half) + sizeof(float);  // per (chunk, token, head): out + lse
-// Split grids stay within one wave of the largest sm_90 part (H100 SXM / H200: 132 SMs, one CTA
-// each): the kernel's per-CTA fixed cost (~6 us at b = 1: slots, q, pipeline fill) makes a second wave
-// cost more than the shorter chunks save. A constant, not the device's count, so that the
-// workspace bound (and a TensorRT engine's workspace) does not depend on the device.
-constexpr int64_t kMaxSplitCtas = 132;
+// One wave of the largest sm_90 part (H100 SXM / H200: 132 SMs, one persistent CTA each). A split
+// grid holds at most two waves' items (kMaxSplitCtas): a constant, not the device's count, so that
+// the workspace bound (and a TensorRT engine's workspace) does not depend on the device.
+constexpr int64_t kWaveCtas = 132;
+constexpr int64_t kMaxSplitCtas = 2 * kWaveCtas;
+// The auto rule's cost of an item, in 64-key tiles (~2.1 us each at 40 tokens x 128 heads on the
+// H200): its fixed part (slots, q, pipeline fill: ~6.3 us) and the combine kernel (~4.6 us at 20
+// tokens x 128 heads x 3 chunks).
+constexpr int kItemFixedTiles = 3;
+constexpr int kCombineTiles = 2;
 
 bool aligned(const void* ptr, uintptr_t bytes) { return (reinterpret_cast<uintptr_t>(ptr) % bytes) == 0; }
 
@@ -54,6 +59,33 @@ int max_splits(int64_t num_tokens, int num_heads, int topk, int64_t ctas_budget)
   const int64_t ctas = num_tokens * head_blocks(num_heads);
   if (ctas * 2 > ctas_budget) return 1;
   return whole_tile_chunks(tiles_of(topk), ctas_budget / ctas);
+}
+
+// The auto chunk count on `sms` SMs: all chunks in one wave, as many as fit (max_splits); where one
+// wave cannot hold two chunks per token (T x head blocks > sms / 2: the verify step of one draft,
+// 34..44 tokens x 128 heads), the count of at most kMaxSplitCtas items that minimises the busiest
+// SM's tiles, ceil(items / sms) x (chunk tiles + kItemFixedTiles), plus kCombineTiles when split.
+// At 40 tokens x 128 heads: 3 chunks, 240 items on 132 SMs, 2 x (11 + 3) + 2 = 30 against 35.
+int auto_splits(int64_t num_tokens, int num_heads, int topk, int sms) {
+  const int64_t wave = std::min<int64_t>(std::max(sms, 1), kWaveCtas);
+  const int one_wave = max_splits(num_tokens, num_heads, topk, wave);
+  if (one_wave > 1) return one_wave;
+  const int64_t ctas = num_tokens * head_blocks(num_heads);
+  const int tiles = tiles_of(topk);
+  int best = 1;
+  int64_t best_cost = (ctas + wave - 1) / wave * (tiles + kItemFixedTiles);
+  for (int want = 2; want <= std::min(tiles, dsa_sparse_mla::kMaxSplits); ++want) {
+    const int n = whole_tile_chunks(tiles, want);
+    if (n != want) continue;  // the same chunks as a smaller count
+    if (ctas * n > kMaxSplitCtas) break;
+    const int64_t per = (tiles + n - 1) / n;
+    const int64_t cost = (ctas * n + wave - 1) / wave * (per + kItemFixedTiles) + kCombineTiles;
+    if (cost < best_cost) {
+      best_cost = cost;
+      best = n;
+    }
+  }
+  return best;
 }
 
 bool instantiated_heads(int num_heads) {
@@ -86,7 +118,7 @@ size_t split_bytes(int64_t num_tokens, int num_heads, int n_splits) {
 }
 
 // The chunk count of a validated fp8 launch: 1 (unsplit) or >= 2 with a workspace. num_splits:
-// 0 = auto (one wave of this device's SMs, capped at kMaxSplitCtas; unsplit without a workspace),
+// 0 = auto (auto_splits on this device's SMs; unsplit without a workspace),
 // n >= 1 = about n chunks (an error if that needs a missing workspace or more than kMaxSplitCtas).
 int choose_splits(const DsaSparseMlaParams& p, int* n_splits) {
   *n_splits = 1;
@@ -96,7 +128,7 @@ int choose_splits(const DsaSparseMlaParams& p, int* n_splits) {
     int sms = 0;
     const int status = dsa_sparse_mla::current_sm_count(&sms);
     if (status != DSA_OK) return status;
-    *n_splits = max_splits(p.num_tokens, p.num_heads, p.topk, std::min<int64_t>(sms, kMaxSplitCtas));
+    *n_splits = auto_splits(p.num_tokens, p.num_heads, p.topk, sms);
     return DSA_OK;
   }
   *n_splits = whole_tile_chunks(tiles_of(p.topk), p.num_splits);
@@ -218,7 +250,8 @@ extern "C" size_t dsa_sparse_mla_workspace_size(int64_t num_tokens, int num_head
   size_t split = 0;
   if (format == DSA_CACHE_FP8) {
     // The bytes needed peak at some T' <= num_tokens (more tokens -> fewer chunks each): take the
-    // max over every T' that can split at all (T' * head blocks * 2 <= kMaxSplitCtas).
+    // max over every T' that can split at all (T' * head blocks * 2 <= kMaxSplitCtas) of the most
+    // chunks a launch may have (kMaxSplitCtas items: auto_splits and forced counts stay within it).
     const int64_t last = std::min<int64_t>(num_tokens, kMaxSplitCtas);
     for (int64_t t = 1; t <= last; ++t)
       split = std::max(split, split_bytes(t, heads, max_splits(t, heads, topk, kMaxSplitCtas)));

@@ -72,20 +72,52 @@ def sparse_mla_ref(q: torch.Tensor, pool: torch.Tensor, slots: torch.Tensor, kv_
     return _finish(scores, valid, kv[..., :MLA_V_DIM])
 
 
+WAVE_CTAS = 132  # sparse_mla.cu kWaveCtas
+MAX_SPLIT_CTAS = 2 * WAVE_CTAS  # kMaxSplitCtas
+ITEM_FIXED_TILES, COMBINE_TILES = 3, 2  # kItemFixedTiles, kCombineTiles
+
+
+def _whole_tile_chunks(tiles: int, want: int) -> int:
+    n = max(1, min(want, tiles))
+    per = -(-tiles // n)
+    return -(-tiles // per)
+
+
+def fp8_auto_splits(num_tokens: int, num_heads: int, topk: int, sm_count: int) -> int:
+    """The launcher's auto chunk count (sparse_mla.cu auto_splits): one wave of min(sm_count, 132)
+    CTAs with at least two chunks per token, as many as fit; else, within MAX_SPLIT_CTAS items, the
+    count minimising ceil(items / wave) x (chunk tiles + ITEM_FIXED_TILES) + COMBINE_TILES (1: unsplit)."""
+    tiles = -(-topk // TILE_KEYS)
+    ctas = num_tokens * -(-num_heads // 64)
+    wave = min(max(sm_count, 1), WAVE_CTAS)
+    if 2 * ctas <= wave:
+        n = _whole_tile_chunks(tiles, wave // ctas)
+        if n > 1:
+            return n
+    best, best_cost = 1, -(-ctas // wave) * (tiles + ITEM_FIXED_TILES)
+    for want in range(2, min(tiles, 32) + 1):
+        n = _whole_tile_chunks(tiles, want)
+        if n != want:
+            continue
+        if ctas * n > MAX_SPLIT_CTAS:
+            break
+        cost = -(-ctas * n // wave) * (-(-tiles // n) + ITEM_FIXED_TILES) + COMBINE_TILES
+        if cost < best_cost:
+            best, best_cost = n, cost
+    return best
+
+
 def fp8_split_chunks(num_tokens: int, num_heads: int, topk: int, num_splits: int, sm_count: int,
                      workspace: bool = True) -> list[tuple[int, int]]:
     """Key ranges [k0, k1) of the chunks the fp8 launcher runs (sparse_mla.cu choose_splits); one range
-    (0, topk) when it runs unsplit. num_splits: 0 = auto (one wave of min(sm_count, 132) CTAs, at least
-    two chunks per token, unsplit without a workspace), n >= 1 = about n chunks. Chunks are whole
-    64-key tiles: ceil(tiles / n) each, the last one shorter."""
+    (0, topk) when it runs unsplit. num_splits: 0 = auto (fp8_auto_splits; unsplit without a
+    workspace), n >= 1 = about n chunks. Chunks are whole 64-key tiles: ceil(tiles / n) each, the
+    last one shorter."""
     tiles = -(-topk // TILE_KEYS)
-    ctas = num_tokens * -(-num_heads // 64)
     if num_splits == 0:
-        budget = min(sm_count, 132)
-        want = 1 if (not workspace or 2 * ctas > budget) else budget // ctas
+        n = fp8_auto_splits(num_tokens, num_heads, topk, sm_count) if workspace else 1
     else:
-        want = num_splits
-    n = max(1, min(want, tiles))
+        n = _whole_tile_chunks(tiles, num_splits)
     per = -(-tiles // n)
     n = -(-tiles // per)
     if n == 1:
