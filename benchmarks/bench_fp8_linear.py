@@ -17,7 +17,13 @@ Counting: FLOPs = 2*T*N*K; bytes = N*K (e4m3 weight) + 4*ceil(N/128)*ceil(K/128)
 on this kind), HBM 4.2 TB/s (the issue's weight-read floor). "% roof" = max(FLOPs / 1377 TF,
 bytes / 4.2 TB/s) / time.
 
-Usage: python benchmarks/bench_fp8_linear.py [--quick] [--iters 20] [--md out.md]
+--fused: instead, the network's fused projections (export/layers.py FusedFp8Linear: the linears
+of one input as one call) against their parts called one after another, in one CUDA graph each:
+[q_a | indexer wk | kv_a] over x, [q_b | indexer wq_b] over c_q and an MLP's [gate | up] (the
+shared expert's, a dense layer's), counted as one linear of the
+stacked N (the parts' bytes and FLOPs summed).
+
+Usage: python benchmarks/bench_fp8_linear.py [--quick] [--fused] [--iters 20] [--md out.md]
 """
 
 from __future__ import annotations
@@ -48,6 +54,10 @@ SHAPES = [  # (name, N, K)
 ]
 TOKENS = [1, 16, 64, 128, 512, 2048, 8192]
 QUICK_TOKENS = [1, 64, 4096]
+# the MLA layer's FusedFp8Linears (export/network.py DSAAttention): (name, K, the parts' N)
+FUSED_GROUPS = [("x -> [q_a, wk, kv_a]", 7168, (1536, 128, 576)), ("c_q -> [q_b, wq_b]", 1536, (24576, 8192)),
+                ("shared expert [gate, up]", 7168, (2048, 2048)), ("dense [gate, up]", 7168, (18432, 18432))]
+FUSED_TOKENS = [1, 8, 20, 40, 64, 128, 512]
 
 
 def random_e4m3(shape, g: torch.Generator) -> torch.Tensor:
@@ -96,11 +106,40 @@ def scaled_mm_fn(x, w8, ws):
     return None, "; ".join(errors)
 
 
+def random_weight(n: int, k: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """e4m3 [N, K] and its fp32 128x128 scales [ceil(N/128), ceil(K/128)]."""
+    return random_e4m3((n, k), g), (torch.rand(-(-n // BLOCK), -(-k // BLOCK), generator=g, device="cuda") * 1e-2
+                                     + 1e-3).contiguous()
+
+
+def fused_table(iters: int, g: torch.Generator, flush_buf: torch.Tensor) -> list[str]:
+    """The fused projections against their parts, one table."""
+    rows = ["| group (N = parts) x K | T | parts µs | fused µs | saved µs | fused TB/s | fused % of roofline |",
+            "|---|---:|---:|---:|---:|---:|---:|"]
+    print("\n".join(rows), flush=True)
+    for name, k, ns in FUSED_GROUPS:
+        parts = [random_weight(n, k, g) for n in ns]
+        w8, ws = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+        for t in FUSED_TOKENS:
+            x = torch.randn(t, k, generator=g, device="cuda").to(torch.bfloat16)
+            calls = [Linear(x, pw, ps) for pw, ps in parts]
+            _, us_parts = time_both_us(lambda calls=calls: [c() for c in calls], flush_buf, iters)
+            _, us = time_both_us(Linear(x, w8, ws), flush_buf, iters)
+            flops, nbytes = count_flops_and_bytes(t, sum(ns), k)
+            roof = max(flops / (FP8_TFLOPS * 1e12), nbytes / (HBM_TBPS * 1e12)) * 1e6
+            row = (f"| {name} ({' + '.join(map(str, ns))}) x {k} | {t} | {us_parts:.1f} | {us:.1f} | "
+                   f"{us_parts - us:.1f} | {nbytes / us / 1e6:.2f} | {100 * roof / us:.1f} |")
+            rows.append(row)
+            print(row, flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--quick", action="store_true", help=f"T in {QUICK_TOKENS} only")
     ap.add_argument("--md", type=str, default=None)
+    ap.add_argument("--fused", action="store_true", help="the fused projections against their parts instead")
     ap.add_argument("--path", type=str, default=None,
                     help="DSA_FP8_LINEAR_PATH for this run (auto, tma, tma-nomc, tma-pipe, tma-store, tma-swap, legacy)")
     args = ap.parse_args()
@@ -113,13 +152,18 @@ def main() -> None:
         raise SystemExit(str(e)) from None
     g = torch.Generator(device="cuda").manual_seed(0)
     flush_buf = torch.empty(64 << 20, dtype=torch.int32, device="cuda")
+    if args.fused:
+        rows = fused_table(args.iters, g, flush_buf)
+        if args.md:
+            with open(args.md, "w") as f:
+                f.write("\n".join(rows) + "\n")
+        return
     header = ("| shape (N x K) | T | path | µs | TFLOP/s | TB/s | % of roofline | bf16 matmul µs | _scaled_mm µs | "
               "vs _scaled_mm |")
     rows = [header, "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     print("\n".join(rows), flush=True)
     for name, n, k in SHAPES:
-        w8 = random_e4m3((n, k), g)
-        ws = (torch.rand(-(-n // BLOCK), -(-k // BLOCK), generator=g, device="cuda") * 1e-2 + 1e-3).contiguous()
+        w8, ws = random_weight(n, k, g)
         wb = w8.to(torch.bfloat16)
         for t in (QUICK_TOKENS if args.quick else TOKENS):
             label = f"{name} {n}x{k} | {t} | {lib.linear_path(t, n, k)}"

@@ -69,6 +69,41 @@ class Fp8Linear(nn.Module):
         return y.view(*lead, y.shape[-1])
 
 
+class FusedFp8Linear(Fp8Linear):
+    """Fp8Linears of one input as one W8A8 GEMM: the checkpoint's e4m3 weights (and their scales)
+    stacked along the output dim in ``parts`` order, run as one dsa::fp8_block_linear (one
+    activation quantisation, one GEMM, one split-K reduce instead of one each per part: 11-15 µs
+    less for [q_a | wk | kv_a] at 1-64 tokens on the H200, benchmarks/RESULTS.md). ``parts``: (the
+    part's module name relative to the fused module's parent, as the checkpoint names it; its
+    output rows); each part but the last a multiple of 128 rows, so every 128 x 128 scale block
+    stays one part's. forward returns the whole [.., sum(rows)] output; ``split`` cuts it."""
+
+    def __init__(self, dim_in: int, parts: list[tuple[str, int]], pow2_scales: bool):
+        if any(rows % FP8_BLOCK for _, rows in parts[:-1]):
+            raise ValueError(f"fused fp8 linear {parts}: every part but the last needs a multiple of {FP8_BLOCK} rows")
+        super().__init__(dim_in, sum(rows for _, rows in parts), pow2_scales)
+        self.parts = tuple(parts)
+
+    def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return torch.split(y, [rows for _, rows in self.parts], dim=-1)
+
+
+def fuse_linears(owner: nn.Module, names: tuple[str, ...]) -> FusedFp8Linear | None:
+    """One FusedFp8Linear replacing the block_linear submodules ``names`` of ``owner`` (dotted, all
+    over the same input, stacked in this order), or None (they stay) unless they are all Fp8Linears
+    of one scale format with every part but the last a multiple of 128 rows."""
+    mods = [owner.get_submodule(n) for n in names]
+    if not (all(type(m) is Fp8Linear for m in mods) and len({m.pow2_scales for m in mods}) == 1
+            and all(m.weight.shape[0] % FP8_BLOCK == 0 for m in mods[:-1])):
+        return None
+    fused = FusedFp8Linear(mods[0].weight.shape[1], [(n, m.weight.shape[0]) for n, m in zip(names, mods)],
+                           mods[0].pow2_scales)
+    for n in names:
+        parent, _, leaf = n.rpartition(".")
+        delattr(owner.get_submodule(parent) if parent else owner, leaf)
+    return fused
+
+
 def resolve_weight_format(cfg: ModelConfig, dtype: torch.dtype, weight_format: str) -> str:
     """How a checkpoint's e4m3 weights live in the network: "fp8" (kept e4m3 with their scales,
     W8A8) or "dequant" (dequantised to the network dtype). ``"auto"``: "fp8" for an fp8-block
@@ -195,9 +230,14 @@ class SwiGLU(nn.Module):
         self.gate_proj = block_linear(dim, inter, dtype, fp8_cfg, split)
         self.up_proj = block_linear(dim, inter, dtype, fp8_cfg, split)
         self.down_proj = block_linear(inter, dim, dtype, fp8_cfg, split)
+        self.gate_up_proj = fuse_linears(self, ("gate_proj", "up_proj"))  # fp8: one GEMM for both
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = F.silu(self.gate_proj(x).float()) * self.up_proj(x).float()
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj.split(self.gate_up_proj(x))
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        h = F.silu(gate.float()) * up.float()
         return self.down_proj(h.to(x.dtype))
 
 

@@ -29,6 +29,7 @@ from .layers import (
     SwiGLU,
     block_linear,
     dequantised_linears,
+    fuse_linears,
     fp32_linear,
     hadamard_buffers,
     linear,
@@ -55,7 +56,9 @@ def check_dequantised(net: nn.Module, weight_format: str, tp_size: int) -> list[
 
 
 class Indexer(nn.Module):
-    """Lightning indexer: q from c_q, k = LayerNorm(x Wk), RoPE on the first 64 dims."""
+    """Lightning indexer: q from c_q, k = LayerNorm(x Wk), RoPE on the first 64 dims. In an fp8
+    network the attention runs wq_b and wk inside its fused projections (DSAAttention) and hands
+    their outputs in (``q_proj``, ``k_proj``); the indexer then holds neither."""
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, fp8: ModelConfig | None = None):
         super().__init__()
@@ -89,11 +92,12 @@ class Indexer(nn.Module):
         rope = rope_interleaved if self.cfg.indexer_rope_interleave else rope_half_split
         return torch.cat([rope(x[..., :r], cos, sin), x[..., r:]], dim=-1)
 
-    def forward(self, x, c_q, cos, sin, slot_mapping, pool, page_table, req_idx, seq_lens, fp8: bool, gather=None):
+    def forward(self, x, c_q, cos, sin, slot_mapping, pool, page_table, req_idx, seq_lens, fp8: bool, gather=None,
+                q_proj=None, k_proj=None):
         cfg = self.cfg
         num_tokens = x.shape[0]
-        q = self.wq_b(c_q).view(num_tokens, cfg.index_n_heads, cfg.index_head_dim)
-        k = self.k_norm(self.wk(x))
+        q = (self.wq_b(c_q) if q_proj is None else q_proj).view(num_tokens, cfg.index_n_heads, cfg.index_head_dim)
+        k = self.k_norm(self.wk(x) if k_proj is None else k_proj)
         q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
         # Hadamard rotation: orthogonal, so q.k is unchanged; it spreads outliers before fp8.
         q, k = self._rotate(q), self._rotate(k)
@@ -155,15 +159,26 @@ class DSAAttention(nn.Module):
         self.indexer = Indexer(cfg, dtype, fp8)  # replicated: whole weights on every rank
         self.kv_cache_quantizer = KVCacheQuantizerSlot()
         self.kv_scale = 1.0  # per-layer MLA cache scale (fp8 mode), set from calibration
+        # fp8: the linears of one input as one GEMM each (FusedFp8Linear), where their rows allow
+        self.x_proj = fuse_linears(self, ("q_a_proj", "indexer.wk", "kv_a_proj_with_mqa"))
+        self.cq_proj = fuse_linears(self, ("q_b_proj", "indexer.wq_b"))
 
     def forward(self, x, cos, sin, meta: dict, mla_pool, index_pool, cache_mode: str):
         cfg, h = self.cfg, self.num_heads
         num_tokens = x.shape[0]
-        c_q = self.q_a_layernorm(self.q_a_proj(x))
-        q = self.q_b_proj(c_q).view(num_tokens, h, cfg.qk_head_dim)
+        k_idx = q_idx = None  # the indexer's wk(x) and wq_b(c_q) where the fused projections ran them
+        if self.x_proj is not None:
+            c_q, k_idx, kv = self.x_proj.split(self.x_proj(x))
+        else:
+            c_q, kv = self.q_a_proj(x), self.kv_a_proj_with_mqa(x)
+        c_q = self.q_a_layernorm(c_q)
+        if self.cq_proj is not None:
+            q, q_idx = self.cq_proj.split(self.cq_proj(c_q))
+        else:
+            q = self.q_b_proj(c_q)
+        q = q.view(num_tokens, h, cfg.qk_head_dim)
         q_nope, q_pe = q[..., : cfg.qk_nope_head_dim], q[..., cfg.qk_nope_head_dim :]
         q_pe = rope_interleaved(q_pe, cos, sin)
-        kv = self.kv_a_proj_with_mqa(x)
         c_kv = self.kv_a_layernorm(kv[:, : cfg.kv_lora_rank])
         k_pe = rope_interleaved(kv[:, cfg.kv_lora_rank :], cos, sin)
         c_kv, k_pe = self.kv_cache_quantizer(c_kv, k_pe)
@@ -176,7 +191,7 @@ class DSAAttention(nn.Module):
         w_uk, w_uv = w_kvb[:, : cfg.qk_nope_head_dim], w_kvb[:, cfg.qk_nope_head_dim :]
         slots = self.indexer(
             x, c_q, cos, sin, meta["slot_mapping"], index_pool, meta["page_table"], meta["req_idx"],
-            meta["seq_lens"], cache_mode == "fp8", gather,
+            meta["seq_lens"], cache_mode == "fp8", gather, q_proj=q_idx, k_proj=k_idx,
         )
         q_lat = torch.einsum("thd,hdc->thc", q_nope, w_uk)  # [T, H, 512]
         q_abs = torch.cat([q_lat, q_pe], dim=-1)  # [T, H, 576]

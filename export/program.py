@@ -17,7 +17,7 @@ from dsa_trt.plugins.pools import allocate_pools
 from dsa_trt.step import StepInputs, dynamic_shapes, export_dims
 
 from .checkpoint import Checkpoint
-from .layers import StackedExperts, hadamard_buffers
+from .layers import FusedFp8Linear, StackedExperts, hadamard_buffers
 from .network import DSAForCausalLM
 from .sharding import shard_tensor
 
@@ -87,8 +87,9 @@ def checkpoint_tensors(ckpt: Checkpoint, net: torch.nn.Module, tp_rank: int = 0,
     """(name, CPU tensor) for every persistent tensor of ``net`` (a skeleton: DSAForCausalLM or the
     MTP draft), in module order (a layer at a time), each as the network holds it and sliced by
     export/sharding.py: fp8 blocks dequantised, or kept e4m3 with their scales (Fp8Linear, stacked
-    experts). Only one tensor (one layer's stacked experts) is alive at a time unless the caller
-    keeps them."""
+    experts; a FusedFp8Linear's weight and scales its parts' stacked, each part sliced by its own
+    name). Only one tensor (one layer's stacked experts) is alive at a time unless the caller keeps
+    them."""
     stacked = {}  # layer -> its StackedExperts buffers by name (the current layer only)
     items = list(net.state_dict().items())
     for name, param in progress(items) if progress else items:
@@ -109,17 +110,28 @@ def checkpoint_tensors(ckpt: Checkpoint, net: torch.nn.Module, tp_rank: int = 0,
                 raise ValueError(f"{name}: stacked experts {tuple(t.shape)}, the network expects {tuple(param.shape)}")
             yield name, t
             continue
-        if param.dtype == torch.float8_e4m3fn or name.endswith(".weight_scale_inv"):  # Fp8Linear, as stored
-            t = ckpt.raw(name)
-            if t.dtype != param.dtype:
-                raise ValueError(f"{name}: the checkpoint stores {t.dtype}, the fp8 network expects {param.dtype}")
-            t = shard_tensor(name, t, tp_rank, tp_size)  # whole 128x128 blocks and their scales
+        owner, _, leaf = name.rpartition(".")
+        fused = net.get_submodule(owner) if owner else None
+        if isinstance(fused, FusedFp8Linear):  # model.layers.L.self_attn.x_proj.weight: its parts' rows
+            parent = owner.rpartition(".")[0]
+            t = torch.cat([_stored_fp8(ckpt, f"{parent}.{part}.{leaf}", param.dtype, tp_rank, tp_size)
+                           for part, _ in fused.parts])
+        elif param.dtype == torch.float8_e4m3fn or name.endswith(".weight_scale_inv"):  # Fp8Linear, as stored
+            t = _stored_fp8(ckpt, name, param.dtype, tp_rank, tp_size)
         else:
             t = shard_tensor(name, ckpt.get(name, dtype=param.dtype), tp_rank, tp_size)
         if t.shape != param.shape:
             raise ValueError(f"{name}: rank {tp_rank}/{tp_size} shard has shape {tuple(t.shape)}, "
                              f"the network expects {tuple(param.shape)}")
         yield name, t
+
+
+def _stored_fp8(ckpt: Checkpoint, name: str, dtype: torch.dtype, tp_rank: int, tp_size: int) -> torch.Tensor:
+    """An Fp8Linear's e4m3 weight or its scales as stored, this rank's whole 128 x 128 blocks."""
+    t = ckpt.raw(name)
+    if t.dtype != dtype:
+        raise ValueError(f"{name}: the checkpoint stores {t.dtype}, the fp8 network expects {dtype}")
+    return shard_tensor(name, t, tp_rank, tp_size)
 
 
 def example_step(cfg: ModelConfig, device="cpu") -> StepInputs:

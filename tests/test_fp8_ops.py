@@ -522,9 +522,15 @@ def test_network_moe_on_the_expert_op(tiny_ckpt, tmp_path):
         assert torch.equal(_logits(dequant, cfg), loop), "dequantised stacked experts = the bf16 checkpoint's"
     # only the experts W8A8: the fp8 network's Fp8Linears swapped for the dequantised network's Linears
     for name, m in list(fp8_net.named_modules()):
+        owner, _, leaf = name.rpartition(".")
         if type(m).__name__ == "Fp8Linear":
-            owner, _, leaf = name.rpartition(".")
             setattr(fp8_net.get_submodule(owner), leaf, dequant.get_submodule(name))
+        elif type(m).__name__ == "FusedFp8Linear":  # its parts' dequantised Linears, stacked as it stacks them
+            lin = torch.nn.Linear(m.weight.shape[1], m.weight.shape[0], bias=False, dtype=torch.bfloat16)
+            lin.weight = torch.nn.Parameter(torch.cat([dequant.get_submodule(f"{owner}.{p}").weight for p, _ in m.parts]),
+                                            requires_grad=False)
+            lin.split = m.split
+            setattr(fp8_net.get_submodule(owner), leaf, lin)
     err = rel_l2(_logits(fp8_net, cfg), loop)
     assert 0 < err <= NETWORK_FP8_MOE_REL_L2, f"W8A8 experts moved the logits by rel L2 {err:.4f}"
 
@@ -552,8 +558,14 @@ def test_network_fp8_linears_stay_e4m3(tiny_ckpt):
     ckpt = Checkpoint(tiny_ckpt)
     cfg = ckpt.config
     net = build_network(ckpt, "bf16", torch.bfloat16, weight_format="fp8")
-    q_a = net.model.layers[0].self_attn.q_a_proj
-    assert torch.equal(q_a.weight.view(torch.uint8), ckpt.raw("model.layers.0.self_attn.q_a_proj.weight").view(torch.uint8))
+    # the MLA's and the indexer's linears of x as one GEMM: their stored e4m3 rows stacked
+    x_proj = net.model.layers[0].self_attn.x_proj
+    assert [p for p, _ in x_proj.parts] == ["q_a_proj", "indexer.wk", "kv_a_proj_with_mqa"]
+    stored = [ckpt.raw(f"model.layers.0.self_attn.{p}.weight").view(torch.uint8) for p, _ in x_proj.parts]
+    assert torch.equal(x_proj.weight.view(torch.uint8), torch.cat(stored))
+    scales = [ckpt.raw(f"model.layers.0.self_attn.{p}.weight_scale_inv") for p, _ in x_proj.parts]
+    assert torch.equal(x_proj.weight_scale_inv, torch.cat(scales))
+    assert [p for p, _ in net.model.layers[0].self_attn.cq_proj.parts] == ["q_b_proj", "indexer.wq_b"]
     base = _logits(build_network(ckpt, "bf16", torch.bfloat16, weight_format="dequant"), cfg)
     got = _logits(net, cfg)
     err = rel_l2(got, base)
@@ -563,4 +575,8 @@ def test_network_fp8_linears_stay_e4m3(tiny_ckpt):
     fp8_linears = [n for n in ckpt.names() if ckpt.is_fp8(n) and ".experts." not in n and "kv_b_proj" not in n]
     ep = export_program(net)
     calls = [n for n in ep.graph.nodes if n.op == "call_function"]
-    assert sum(n.target == torch.ops.dsa.fp8_block_linear.default for n in calls) == len(fp8_linears)
+    # per layer q_a, wk, kv_a (over x), q_b, wq_b (over c_q) and the MLP's gate, up are three fused calls
+    fused = [m for m in net.modules() if type(m).__name__ == "FusedFp8Linear"]
+    assert len(fused) == 3 * cfg.num_hidden_layers
+    fused_away = sum(len(m.parts) - 1 for m in fused)
+    assert sum(n.target == torch.ops.dsa.fp8_block_linear.default for n in calls) == len(fp8_linears) - fused_away

@@ -202,7 +202,15 @@ def test_plugin_node_inventory(emitted, ckpt):
     assert cfg.weight_format == "fp8"
     e4m3 = [n for n in ckpt.names() if ckpt.is_fp8(n) and ".experts." not in n and "kv_b_proj" not in n]
     linears = Counter(n.op_type for n in dsa_nodes(model) if n.op_type not in PLUGINS)
-    assert linears == {"DsaFp8BlockLinear": len(e4m3),
+    # the linears of one input are one node (export/layers.py FusedFp8Linear: [q_a | wk | kv_a],
+    # [q_b | wq_b], an MLP's [gate | up])
+    from dsa_trt.export.layers import FusedFp8Linear
+    from dsa_trt.export.program import network_skeleton
+
+    skeleton = network_skeleton(ckpt, "fp8", torch.bfloat16, weight_format="fp8")
+    fused = [mod for mod in skeleton.modules() if isinstance(mod, FusedFp8Linear)]
+    assert len(fused) == 3 * m.num_hidden_layers
+    assert linears == {"DsaFp8BlockLinear": len(e4m3) - sum(len(f.parts) - 1 for f in fused),
                        "DsaMoeExperts": m.num_hidden_layers - m.first_k_dense_replace}, dict(linears)
     assert {n.domain for n in model.graph.node} == {"", "dsa"}
     assert {o.domain: o.version for o in model.opset_import} == {"": 21, "dsa": 1}

@@ -169,7 +169,7 @@ def test_fp32_reference_linear_is_the_w8a8_recipe_without_bf16(tiny_fp8_nets, on
     from dsa_trt.plugins import fp8_reference as fp8
 
     net, ref = tiny_fp8_nets
-    lin, ref_lin = net.model.layers[0].self_attn.q_a_proj, ref.model.layers[0].self_attn.q_a_proj
+    lin, ref_lin = net.model.layers[0].self_attn.x_proj, ref.model.layers[0].self_attn.x_proj  # [q_a | wk | kv_a]
     assert isinstance(ref_lin, Fp32W8A8Linear) and ref_lin.lin.weight is not lin.weight  # its own copy
     x = torch.randn(7, lin.weight.shape[1], generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
     got = ref_lin(x.float())

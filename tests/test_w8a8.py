@@ -165,7 +165,8 @@ def _fp8_vs_emulation(ckpt_dir: Path, hf_model, ids: torch.Tensor) -> tuple[floa
     ckpt = Checkpoint(ckpt_dir)
     net = build_network(ckpt, "bf16", torch.bfloat16)  # the defaults: weight format auto, expert op on
     assert net.weight_format == "fp8" and net.expert_op
-    assert type(net.model.layers[0].self_attn.q_a_proj).__name__ == "Fp8Linear"
+    assert type(net.model.layers[0].self_attn.x_proj).__name__ == "FusedFp8Linear"  # [q_a | wk | kv_a]
+    assert type(net.model.layers[0].self_attn.o_proj).__name__ == "Fp8Linear"
 
     emu = w8a8_emulation(hf_model, ckpt_dir)
     topk, experts, handles = record_selections(emu)
@@ -243,8 +244,8 @@ def test_builder_default_keeps_fp8_at_bf16(bf16_engine, trained):
     with safe_open(str(out / cfg.rank_weights_file(0)), framework="pt") as f:
         dtypes = {name: f.get_slice(name).get_dtype() for name in f.keys()}
     e4m3 = [n for n, d in dtypes.items() if d == "F8_E4M3"]
-    for name in ("model.layers.0.self_attn.q_a_proj.weight", "model.layers.1.mlp.stacked_experts.w13",
-                 "model.layers.1.mlp.shared_experts.down_proj.weight", "model.layers.0.mlp.gate_proj.weight"):
+    for name in ("model.layers.0.self_attn.x_proj.weight", "model.layers.1.mlp.stacked_experts.w13",
+                 "model.layers.1.mlp.shared_experts.down_proj.weight", "model.layers.0.mlp.gate_up_proj.weight"):
         assert name in e4m3, f"{name} is {dtypes.get(name)} in the weights file, not e4m3"
     assert all(n.replace(".weight", ".weight_scale_inv") in dtypes for n in e4m3 if n.endswith(".weight"))
     assert dtypes["model.layers.1.mlp.stacked_experts.w13_scale"] == "F32"
@@ -302,10 +303,18 @@ def test_fp8_shards_keep_whole_blocks(tiny_ckpt):
 
     ckpt = Checkpoint(tiny_ckpt)
     ranks = [build_network(ckpt, "bf16", torch.bfloat16, tp_rank=r, tp_size=TP) for r in range(TP)]
+    cq, q_rows = "model.layers.0.self_attn.cq_proj", ranks[0].model.layers[0].self_attn.cq_proj.parts[0][1]
     for name, dim in (("model.layers.0.self_attn.q_b_proj", 0), ("model.layers.0.self_attn.o_proj", 1),
                       ("model.layers.0.mlp.down_proj", 1)):
         for suffix in ("weight", "weight_scale_inv"):
-            parts = [net.get_submodule(name).get_buffer(suffix) for net in ranks]
+            if name.endswith("q_b_proj"):  # fused with the indexer's wq_b (whole on every rank): the rank's rows first
+                rows = q_rows if suffix == "weight" else q_rows // 128
+                parts = [net.get_submodule(cq).get_buffer(suffix)[:rows] for net in ranks]
+                wq_b = ckpt.raw(f"model.layers.0.self_attn.indexer.wq_b.{suffix}")
+                assert all(torch.equal(net.get_submodule(cq).get_buffer(suffix)[rows:].view(torch.uint8),
+                                       wq_b.view(torch.uint8)) for net in ranks)
+            else:
+                parts = [net.get_submodule(name).get_buffer(suffix) for net in ranks]
             full = ckpt.raw(f"{name}.{suffix}")
             assert parts[0].dtype == full.dtype
             bits = (lambda t: t.view(torch.uint8)) if suffix == "weight" else (lambda t: t)  # noqa: E731
@@ -314,9 +323,9 @@ def test_fp8_shards_keep_whole_blocks(tiny_ckpt):
     # a row split up to the bf16 rounding of each rank's partial output (its 128-groups are the whole one's)
     full = build_network(ckpt, "bf16", torch.bfloat16)
     x = torch.randn(5, ckpt.config.q_lora_rank, generator=torch.Generator().manual_seed(1)).bfloat16()
-    q_b = "model.layers.0.self_attn.q_b_proj"
-    with torch.no_grad():
-        assert torch.equal(torch.cat([net.get_submodule(q_b)(x) for net in ranks], 1), full.get_submodule(q_b)(x))
+    with torch.no_grad():  # q_b, fused: each rank's q rows against the whole network's
+        q_of = lambda net: net.get_submodule(cq).split(net.get_submodule(cq)(x))[0]  # noqa: E731
+        assert torch.equal(torch.cat([q_of(net) for net in ranks], 1), q_of(full))
         for name in ("model.layers.0.self_attn.o_proj", "model.layers.0.mlp.down_proj"):
             width = full.get_submodule(name).weight.shape[1]
             x = torch.randn(5, width, generator=torch.Generator().manual_seed(2)).bfloat16()
@@ -398,9 +407,12 @@ def test_fp8_tp2_equals_one_rank(trained, tmp_path):
     # one rank with the same numerics: fp8, but the shared experts dequantised as at tp 2
     ref = build_network(ckpt, "bf16", torch.bfloat16)
     dequant = build_network(ckpt, "bf16", torch.bfloat16, weight_format="dequant")
-    for name in [n for n, _ in ref.named_modules() if ".shared_experts." in n and n.endswith("_proj")]:
+    for name in [n for n, _ in dequant.named_modules() if ".shared_experts." in n and n.endswith("_proj")]:
         owner, _, leaf = name.rpartition(".")
         setattr(ref.get_submodule(owner), leaf, dequant.get_submodule(name))
+    for name, mod in ref.named_modules():  # and their gate/up apart, as tp 2 keeps them (not fused)
+        if name.endswith(".shared_experts"):
+            mod.gate_up_proj = None
     want, routing = {}, {}
     want["auto"], routing["auto"] = _run(ref, ckpt.config)
     want["dequant"], routing["dequant"] = _run(dequant, ckpt.config)

@@ -149,11 +149,14 @@ def w8a8_linear_fp32(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.
 
 
 class Fp32W8A8Linear(torch.nn.Module):
-    """An Fp8Linear's weights, run by w8a8_linear_fp32 on fp32 activations."""
+    """An Fp8Linear's weights, run by w8a8_linear_fp32 on fp32 activations (a FusedFp8Linear's
+    with its ``split``)."""
 
     def __init__(self, lin):
         super().__init__()
         self.lin = lin
+        if hasattr(lin, "split"):
+            self.split = lin.split
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lin = self.lin
