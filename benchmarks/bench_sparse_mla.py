@@ -23,7 +23,7 @@ Small-T decode rows run split-KV (auto: the top-k list cut into chunks over one 
 then a combine kernel; both kernels are in the timed graph); rows marked "unsplit" force
 num_splits = 1 on the same shape for comparison.
 
-Usage: python benchmarks/bench_sparse_mla.py [--iters 20] [--md out.md] [--only decode|prefill]
+Usage: python benchmarks/bench_sparse_mla.py [--iters 20] [--md out.md] [--only decode|verify|prefill]
 """
 
 from __future__ import annotations
@@ -137,6 +137,10 @@ CASES = [
     ("decode b=128 s_q=1 h=64 k=2048 (TP2)", "decode", (128, 1, 64, 2048, 32768), None, None),
     ("decode b=128 s_q=1 h=32 k=2048 (TP4)", "decode", (128, 1, 32, 2048, 32768), None, None),
     ("decode b=128 s_q=1 h=16 k=2048 (TP8)", "decode", (128, 1, 16, 2048, 32768), None, None),
+    # the verify step of one MTP draft at a GPU's 32K batch (2 query tokens per sequence): two waves of chunks
+    ("verify b=20 s_q=2 h=128 k=2048", "verify", (20, 2, 128, 2048, 32768), None, None),
+    ("verify b=20 s_q=2 h=128 k=2048 unsplit", "verify", (20, 2, 128, 2048, 32768), None, None, {"num_splits": 1}),
+    ("verify b=22 s_q=2 h=128 k=2048", "verify", (22, 2, 128, 2048, 32768), None, None),
     ("prefill s_q=4096 h=128 k=2048 s_kv=32K", "prefill", (4096, 128, 2048, 32768), 3889.0, None),
     ("prefill s_q=4096 h=128 k=2048 s_kv=128K", "prefill", (4096, 128, 2048, 131072), 4205.0, 4205.0),
 ]
@@ -146,7 +150,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--md", type=str, default=None)
-    ap.add_argument("--only", choices=["decode", "prefill"], default=None)
+    ap.add_argument("--only", choices=["decode", "verify", "prefill"], default=None)
     args = ap.parse_args()
     g = torch.Generator(device="cuda").manual_seed(0)
     flush_buf = torch.empty(64 << 20, dtype=torch.int32, device="cuda")
@@ -157,7 +161,7 @@ def main() -> None:
         if args.only and kind != args.only:
             continue
         try:
-            case = decode_case if kind == "decode" else prefill_case
+            case = prefill_case if kind == "prefill" else decode_case  # verify: decode at s_q = 2
             launch, (flops, nbytes) = case(*cargs, g, **(kwargs[0] if kwargs else {}))
             ev, us = time_both_us(launch, flush_buf, args.iters)
             us = us if us is not None else ev  # µs: the profiler's kernel span (the anchors' measure)
