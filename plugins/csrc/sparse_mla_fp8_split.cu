@@ -35,6 +35,22 @@ constexpr int kLaneDims = kVDim / 32;                     // 16 dims per lane: t
 constexpr int kChunkGroup = 4;                            // chunks whose loads are in flight at once (registers)
 static_assert(kLaneDims == 16, "a lane's dims are two uint4 of fp16");
 
+// The merge weights of a row's chunks, over its warp: lane s holds chunk s's lse x (-inf past the
+// chunk count); m = the max lse, w = exp(x - m) this lane's chunk weight, sum = the warp's sum of w.
+struct ChunkWeights {
+  float m, w, sum;
+};
+__device__ __forceinline__ ChunkWeights chunk_weights(float x) {
+  float m = x;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));  // fmaxf skips NaN
+  const float w = x == -INFINITY ? 0.f : expf(x - m);  // NaN x -> NaN w, also when m is -inf
+  float w_sum = w;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) w_sum += __shfl_xor_sync(0xffffffffu, w_sum, o);
+  return {m, w, w_sum};
+}
+
 // The combine of more than kChunkGroup chunks (decode of a few tokens: up to 32 chunks): a CTA per
 // row, 4 dims a thread, every chunk's 8-byte load in flight at once (its rows are few: latency, not
 // occupancy, bounds it).
@@ -52,13 +68,8 @@ __global__ void __launch_bounds__(kWideThreads)
 #pragma unroll
   for (int s = 0; s < kMaxSplits; ++s)
     if (s < n) v[s] = part[s * part_stride];
-  float m = x;
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));  // fmaxf skips NaN
-  const float w = x == -INFINITY ? 0.f : expf(x - m);  // NaN x -> NaN w, also when m is -inf
-  float w_sum = w;
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) w_sum += __shfl_xor_sync(0xffffffffu, w_sum, o);
+  const ChunkWeights cw = chunk_weights(x);
+  const float m = cw.m, w = cw.w, w_sum = cw.sum;
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
   for (int s = 0; s < kMaxSplits; ++s) {
@@ -96,13 +107,8 @@ __global__ void __launch_bounds__(kCombineThreads, 6)  // <= 80 registers: 24 wa
   const float x = lane < n ? plan.part_lse[lane * rows + row] : -INFINITY;  // chunk `lane`
   const uint4* part = reinterpret_cast<const uint4*>(plan.part_out + row * kVDim + lane * kLaneDims);
   const int64_t part_stride = rows * (kVDim / 8);  // uint4 between chunks
-  float m = x;
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));  // fmaxf skips NaN
-  const float w = x == -INFINITY ? 0.f : expf(x - m);  // NaN x -> NaN w, also when m is -inf
-  float w_sum = w;
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) w_sum += __shfl_xor_sync(0xffffffffu, w_sum, o);
+  const ChunkWeights cw = chunk_weights(x);
+  const float m = cw.m, w = cw.w, w_sum = cw.sum;
   float acc[kLaneDims] = {};
   for (int s0 = 0; s0 < n; s0 += kChunkGroup) {
     uint4 v[kChunkGroup][2];
