@@ -1,7 +1,9 @@
 """Building blocks of the DSA network that are not attention: norms, RoPE, Hadamard, FFN, MoE.
 
 All modules hold their weights under the Hugging Face checkpoint names (``weight``, ``bias``,
-``e_score_correction_bias``), so ``load_state_dict`` takes the checkpoint's names unchanged.
+``e_score_correction_bias``), so ``load_state_dict`` takes the checkpoint's names unchanged; the one
+exception is a FusedFp8Linear (``x_proj``, ``cq_proj``, ``gate_up_proj``), whose weight stacks its
+parts' (export/program.py checkpoint_tensors reads them by the parts' names).
 """
 
 from __future__ import annotations

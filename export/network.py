@@ -238,7 +238,9 @@ class DSAModelBody(nn.Module):
 
 
 class DSAForCausalLM(nn.Module):
-    """Parameter names equal the HF checkpoint's (``model.layers.0.self_attn.q_a_proj.weight``...).
+    """Parameter names equal the HF checkpoint's (``model.layers.0.self_attn.q_a_proj.weight``...), but
+    for an fp8 network's fused projections (export/layers.py FusedFp8Linear: ``self_attn.x_proj``,
+    ``self_attn.cq_proj``, ``mlp.gate_up_proj``), stacked from their parts at load.
 
     ``tp_rank``/``tp_size``: this module is rank ``tp_rank``'s shard of a tensor-parallel engine
     (export/sharding.py says which slice of each checkpoint tensor it holds); every rank returns
