@@ -74,14 +74,14 @@ class Fp8Linear(nn.Module):
 class FusedFp8Linear(Fp8Linear):
     """Fp8Linears of one input as one W8A8 GEMM: the checkpoint's e4m3 weights (and their scales)
     stacked along the output dim in ``parts`` order, run as one dsa::fp8_block_linear (one
-    activation quantisation, one GEMM, one split-K reduce instead of one each per part: 11-15 µs
-    less for [q_a | wk | kv_a] at 1-64 tokens on the H200, benchmarks/RESULTS.md). ``parts``: (the
+    activation quantisation, one GEMM, one split-K reduce instead of one each per part;
+    benchmarks/RESULTS.md, "Fused projections"). ``parts``: (the
     part's module name relative to the fused module's parent, as the checkpoint names it; its
     output rows); each part but the last a multiple of 128 rows, so every 128 x 128 scale block
     stays one part's. forward returns the whole [.., sum(rows)] output; ``split`` cuts it."""
 
     def __init__(self, dim_in: int, parts: list[tuple[str, int]], pow2_scales: bool):
-        if any(rows % FP8_BLOCK for _, rows in parts[:-1]):
+        if not _on_block_grid([rows for _, rows in parts]):
             raise ValueError(f"fused fp8 linear {parts}: every part but the last needs a multiple of {FP8_BLOCK} rows")
         super().__init__(dim_in, sum(rows for _, rows in parts), pow2_scales)
         self.parts = tuple(parts)
@@ -90,13 +90,19 @@ class FusedFp8Linear(Fp8Linear):
         return torch.split(y, [rows for _, rows in self.parts], dim=-1)
 
 
+def _on_block_grid(rows: list[int]) -> bool:
+    """Every part but the last a whole number of 128-row scale blocks (a stack of them keeps each block
+    one part's)."""
+    return all(r % FP8_BLOCK == 0 for r in rows[:-1])
+
+
 def fuse_linears(owner: nn.Module, names: tuple[str, ...]) -> FusedFp8Linear | None:
     """One FusedFp8Linear replacing the block_linear submodules ``names`` of ``owner`` (dotted, all
     over the same input, stacked in this order), or None (they stay) unless they are all Fp8Linears
     of one scale format with every part but the last a multiple of 128 rows."""
     mods = [owner.get_submodule(n) for n in names]
     if not (all(type(m) is Fp8Linear for m in mods) and len({m.pow2_scales for m in mods}) == 1
-            and all(m.weight.shape[0] % FP8_BLOCK == 0 for m in mods[:-1])):
+            and _on_block_grid([m.weight.shape[0] for m in mods])):
         return None
     fused = FusedFp8Linear(mods[0].weight.shape[1], [(n, m.weight.shape[0]) for n, m in zip(names, mods)],
                            mods[0].pow2_scales)

@@ -118,8 +118,7 @@ def fp8_split_chunks(num_tokens: int, num_heads: int, topk: int, num_splits: int
         n = fp8_auto_splits(num_tokens, num_heads, topk, sm_count) if workspace else 1
     else:
         n = _whole_tile_chunks(tiles, num_splits)
-    per = -(-tiles // n)
-    n = -(-tiles // per)
+    per = -(-tiles // n)  # n is whole-tile already: ceil(tiles / per) == n
     if n == 1:
         return [(0, topk)]
     return [(c * per * TILE_KEYS, min(topk, (c + 1) * per * TILE_KEYS)) for c in range(n)]
