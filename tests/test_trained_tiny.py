@@ -140,6 +140,22 @@ def test_missing_or_mismatched_weights_file(tmp_path):
         write_trained_checkpoint(tmp_path / "out", weights=tmp_path / "bad.safetensors")
 
 
+def test_training_cli_names_bad_arguments(tmp_path, capsys):
+    """Bad flags of train_tiny fail at once (exit 2) naming the flag, before any training."""
+    from dsa_trt.export.train_tiny import main as train_main
+
+    cases = [(["--eval", str(tmp_path / "none.safetensors")], "--eval"), (["--device", "tpu"], "--device tpu"),
+             (["--batch", "0"], "--batch"), (["--label-smoothing", "1.5"], "--label-smoothing"),
+             (["--distill-novel", "-0.1"], "--distill-novel")]
+    if not torch.cuda.is_available():
+        cases.append((["--device", "cuda"], "no CUDA device"))
+    for argv, named in cases:
+        with pytest.raises(SystemExit) as e:
+            train_main(argv)
+        assert e.value.code == 2, argv
+        assert named in capsys.readouterr().err, argv
+
+
 def test_short_training_run_is_bitwise_reproducible(tmp_path):
     """Two fresh processes running the script (3 steps: both the dense and the sparse stage, then 2
     MTP distillation steps) write the same bytes; distilling the file of the main run alone
