@@ -1,6 +1,7 @@
 """Where every µs of one decode step goes (issue 25 item 7): torch.profiler over ``LLM.step()``.
 
     python benchmarks/bench_step_profile.py ENGINE_DIR [--batches 1 32 128] [--context 512] [--quick]
+        [--speculative mtp]
 
 B requests of ``--context`` prompt tokens are prefilled, a few decode steps warm up (CUDA-graph
 capture), then single decode steps of the real runtime (scheduler, step inputs, the engine or its
@@ -18,6 +19,10 @@ clock, ``record_function`` around it) is split exactly into:
   (``StepInputs.to``), forward launch (``Engine.run`` / ``CudaGraphRunner.run``, which copies a graph step's inputs itself), sampling
   (``sample`` and the sample-rows copy before it), D2H / sync (the ``.tolist()`` of the sampled
   tokens: it waits for the GPU), update + detokenise (``Scheduler.update``, the text deltas).
+
+With ``--speculative mtp`` every column is an MTP step of one greedy draft (the default fused
+verify + next-draft call, or DSA_MTP_FUSED=0's separate passes): its target / draft / fused CUDA
+graph runners are the "forward" phase, and the verify's argmax read-back is "D2H / sync".
 
 The rows of each column sum to W; the host phases' own durations are a second table (they also
 sum to W). Without a GPU every µs is host time (the CPU engine computes inside "forward").
@@ -92,6 +97,10 @@ def phases_recorded(llm: LLM):
     wrap(llm.scheduler, "schedule", "bench:schedule")
     wrap(StepInputs, "to", "bench:h2d")
     wrap(llm.graphs if llm.graphs is not None else llm.engine, "run", "bench:forward")
+    spec = llm.speculator
+    if spec is not None:  # the draft pass and the fused verify + draft call launch GPU work too
+        for obj, attr in ((spec, "propose"), (spec, "run_fused")):
+            wrap(obj, attr, f"bench:forward:{attr}")
     wrap(llm_module, "sample", "bench:sample")  # LLM.step calls the module's name
     wrap(llm.scheduler, "update", "bench:update")
     try:
@@ -118,6 +127,10 @@ def profiled_step(llm: LLM) -> dict:
             spans.setdefault(e.name(), (e.start_ns(), e.end_ns()))
     t0, t1 = spans[STEP]
     bounds, start = [], t0
+    # the speculator's launches count as forward: the phase closes at the last of them
+    ends = [f for n, (_, f) in spans.items() if n.startswith("bench:forward")]
+    if ends:
+        spans["bench:forward"] = (spans.get("bench:forward", (min(ends), 0))[0], max(ends))
     for label, closer in PHASES:  # None: the phase ends where the update starts
         # a range the step never entered (graph mode: CudaGraphRunner.run copies the host step
         # itself, inside "forward") is an empty phase
@@ -160,10 +173,11 @@ def profiled_step(llm: LLM) -> dict:
     return {"wall": (t1 - t0) / 1e3, "gpu": busy, "idle": idle, "host": host, "kernels": kernels}
 
 
-def decode_llm(engine: Engine, batch: int, context: int, graphs: bool, warm_steps: int, max_tokens: int) -> LLM:
+def decode_llm(engine: Engine, batch: int, context: int, graphs: bool, warm_steps: int, max_tokens: int,
+               speculative: str | None = None) -> LLM:
     os.environ["DSA_CUDA_GRAPHS"] = "1" if graphs else "0"
-    pages = batch * (-(-(context + max_tokens + 1) // 64)) + 4
-    llm = LLM(engine, num_pages=pages, max_num_seqs=max(batch, 1))
+    pages = batch * (-(-(context + 2 * max_tokens + 1) // 64)) + 4
+    llm = LLM(engine, num_pages=pages, max_num_seqs=max(batch, 1), speculative=speculative)
     vocab = llm.model_config.vocab_size
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     rids = [llm.add_request([2 + (7 * i + 13 * j) % (vocab - 2) for j in range(context)], params)
@@ -175,8 +189,10 @@ def decode_llm(engine: Engine, batch: int, context: int, graphs: bool, warm_step
     return llm
 
 
-def measure(engine: Engine, batch: int, context: int, graphs: bool, steps: int, plain: int) -> dict:
-    llm = decode_llm(engine, batch, context, graphs, warm_steps=3, max_tokens=8 + steps + plain)
+def measure(engine: Engine, batch: int, context: int, graphs: bool, steps: int, plain: int,
+            speculative: str | None = None) -> dict:
+    llm = decode_llm(engine, batch, context, graphs, warm_steps=3, max_tokens=8 + 2 * (steps + plain),
+                     speculative=speculative)
     sync = torch.cuda.synchronize if llm.device.type == "cuda" else (lambda: None)
     walls = []
     for _ in range(plain):  # the same steps without the profiler: its overhead shows against these
@@ -198,18 +214,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=5, help="profiled decode steps per column; the median is shown")
     ap.add_argument("--quick", action="store_true", help="3 profiled and 5 plain steps per column")
     ap.add_argument("--top", type=int, default=15, help="GPU activities listed per column, longest first (0: none)")
+    ap.add_argument("--speculative", choices=["mtp"], default=None,
+                    help="profile MTP steps of one greedy draft (the engine's draft program) instead of decode steps")
     a = ap.parse_args(argv)
-    engine = Engine.load(a.engine)
+    engine = Engine.load(a.engine, draft=a.speculative is not None)
     steps, plain = (3, 5) if a.quick else (a.steps, 20)
     modes = [False, True] if engine.device.type == "cuda" else [False]
     cols = {}
     for graphs in modes:
         for b in a.batches:
-            cols[f"{'graph' if graphs else 'eager'} B={b}"] = measure(engine, b, a.context, graphs, steps, plain)
+            cols[f"{'graph' if graphs else 'eager'} B={b}"] = measure(engine, b, a.context, graphs, steps, plain,
+                                                                       a.speculative)
             print(f"measured {list(cols)[-1]}: wall {cols[list(cols)[-1]]['wall']:.0f} µs", file=sys.stderr, flush=True)
     cfg = engine.config
     print(f"\nengine {a.engine} ({cfg.compiler}/{cfg.device}/{cfg.dtype}, {cfg.cache_mode} caches, "
-          f"{cfg.model.num_hidden_layers} layers); one decode step, {a.context}-token contexts; µs of the profiled "
+          f"{cfg.model.num_hidden_layers} layers); one {'MTP (one draft) ' if a.speculative else ''}decode step, "
+          f"{a.context}-token contexts; µs of the profiled "
           f"step with the median wall of {steps}")
     names = list(cols)
     print("| µs | " + " | ".join(names) + " |")
