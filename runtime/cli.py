@@ -140,7 +140,7 @@ def _prompt_lines(path: str) -> list[str]:
 
 def _bench(a: argparse.Namespace) -> int:
     """Offline throughput: N prompts (random token ids, or the lines of --prompt-file) submitted at
-    once to AsyncLLM (continuous batching)."""
+    once to AsyncLLM (continuous batching, at most --max-num-seqs sequences in flight)."""
     import asyncio
 
     import torch
@@ -148,10 +148,12 @@ def _bench(a: argparse.Namespace) -> int:
     from .async_llm import AsyncLLM
     from .speculative import SpecStats
 
-    if a.num_prompts < 1 or a.prompt_len < 1:
-        raise ValueError(f"--num-prompts {a.num_prompts} and --prompt-len {a.prompt_len} must be >= 1")
+    bad = [f"--{n.replace('_', '-')} {getattr(a, n)}" for n in ("num_prompts", "prompt_len", "max_num_seqs")
+           if getattr(a, n) < 1]
+    if bad:
+        raise ValueError(f"{', '.join(bad)}: must be >= 1")
     lines = _prompt_lines(a.prompt_file) if a.prompt_file else None
-    engine = AsyncLLM(a.engine, num_pages=a.num_pages, speculative=a.speculative)
+    engine = AsyncLLM(a.engine, num_pages=a.num_pages, speculative=a.speculative, max_num_seqs=a.max_num_seqs)
     vocab = engine.llm.model_config.vocab_size
     try:
         if lines is not None:  # line i % len(lines), cut to its first --prompt-len tokens
@@ -304,6 +306,8 @@ def parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="offline throughput and latency over N prompts", formatter_class=_HelpFormatter)
     b.add_argument("--engine", required=True, help="engine directory written by `make engine`")
     b.add_argument("--num-prompts", type=int, default=64, help="prompts submitted at once")
+    b.add_argument("--max-num-seqs", type=int, default=256,
+                   help="sequences decoded at once, the rest wait their turn (1: batch size 1 over every prompt)")
     b.add_argument("--prompt-len", type=int, default=32,
                    help="tokens per prompt (random ids; with --prompt-file the most taken from a line)")
     b.add_argument("--prompt-file", default=None, metavar="PATH",

@@ -210,6 +210,11 @@ def test_bench_reports_speculation_on_text_prompts(mtp_engine, tmp_path, capsys)
     out = capsys.readouterr().out
     assert f"3 prompts x the lines of {prompts}, <= 4 tokens -> 6 tokens each" in out, out
     assert "18 tokens in" in out and "speculative (MTP): acceptance rate" in out, out
+    # --max-num-seqs 1: batch size 1 over every prompt, one after another
+    assert main(args + ["--speculative", "mtp", "--max-num-seqs", "1"]) == 0
+    assert "18 tokens in" in capsys.readouterr().out
+    assert main(args + ["--max-num-seqs", "0"]) == 2
+    assert "--max-num-seqs 0: must be >= 1" in capsys.readouterr().err
     (tmp_path / "empty.txt").write_text("\n \n", encoding="utf-8")
     for bad, why in ((tmp_path / "missing.txt", "no such file"), (tmp_path / "empty.txt", "no non-empty line")):
         assert main(args[:-1] + [str(bad)]) == 2
