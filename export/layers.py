@@ -286,8 +286,11 @@ class Router(nn.Module):
         choice = scores + self.e_score_correction_bias
         num_tokens, num_experts = scores.shape
         grouped = choice.view(num_tokens, cfg.n_group, num_experts // cfg.n_group)
-        group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(-1)  # [T, G]
-        group_idx = group_scores.topk(cfg.topk_group, dim=-1).indices
+        # sorted=False for the group selection (a sum of two, then a mask: no order needed), so on
+        # CUDA torch skips its sort kernel after each; the experts stay sorted by score (the
+        # expert-parallel exchange's capacity drops a token's last columns first)
+        group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1, sorted=False).values.sum(-1)  # [T, G]
+        group_idx = group_scores.topk(cfg.topk_group, dim=-1, sorted=False).indices
         group_mask = torch.zeros_like(group_scores).scatter(1, group_idx, 1.0)
         expert_mask = group_mask.unsqueeze(-1).expand_as(grouped).reshape(num_tokens, num_experts)
         choice = choice.masked_fill(expert_mask == 0, float("-inf"))
