@@ -28,12 +28,12 @@ from dsa_trt.export.tiny_checkpoint import (  # noqa: E402
     write_tiny_checkpoint,
     write_trained_checkpoint,
 )
+from dsa_trt.export.indexer_training import indexer_scores  # noqa: E402
 from dsa_trt.export.train_tiny import (  # noqa: E402
     EVAL_MAX_TOKENS,
     Recipe,
     corpus_split,
     greedy_continuation,
-    indexer_scores,
     load_mtp,
     mtp_agreement,
 )
