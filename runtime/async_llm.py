@@ -11,10 +11,11 @@ caller never waits for an engine step. A request that the LLM refuses (bad promp
 engine or the cache pool) fails alone: its handle raises the error when read, the others go on. An
 engine failure fails the requests of that step and the loop keeps serving new ones.
 
-Streamed text: the concatenation of a request's delta texts equals its final ``text``. The loop
-holds back a trailing U+FFFD (an incomplete UTF-8 sequence the next token may complete) and the last
+Streamed text: the concatenation of a request's delta texts equals its final ``text``. A delta
+carries text once it is final (the LLM's incremental decoder, dsa_trt/tokenizer.py TextDecoder,
+holds back an incomplete UTF-8 sequence the next token may complete), less the last
 ``max(len(stop)) - 1`` characters (a stop string may straddle them and cut the text), as vLLM's
-incremental detokenizer does. Seeded requests give the same tokens as ``LLM.generate`` with the same
+incremental detokenizer does; each step costs O(its new text), whatever the output's length. Seeded requests give the same tokens as ``LLM.generate`` with the same
 seed: the sampler draws from per-request generators.
 """
 
@@ -30,8 +31,6 @@ from typing import AsyncIterator, Iterator, Sequence
 
 from .llm import LLM, CompletionOutput, StepDelta
 from .sampling import SamplingParams
-
-UNDECODED = "\ufffd"  # what the tokenizer shows for a byte sequence the next token may complete
 
 
 @dataclass(frozen=True)
@@ -60,7 +59,8 @@ class RequestHandle:
         self.params = params
         self._owner = owner
         self._holdback = max((len(s) for s in params.stop), default=1) - 1
-        self._sent = ""  # text already handed out in deltas
+        self._sent = 0  # characters of the output text handed out in deltas
+        self._final = 0  # characters of it that no later step can change (the steps' new_text)
         self._items: deque[Delta | BaseException] = deque()
         self._cond = threading.Condition()
         self._waiter: tuple[asyncio.AbstractEventLoop, asyncio.Future] | None = None
@@ -129,14 +129,11 @@ class RequestHandle:
 
     def _on_step(self, d: StepDelta) -> None:
         out = d.output
-        text = out.text
-        if not out.finished:
-            text = text.rstrip(UNDECODED)
-            text = text[: max(len(self._sent), len(text) - self._holdback)]
-        # Holding back keeps text a prefix of later texts; if a tokenizer ever rewrote earlier text,
-        # the stream would miss that change (result() still has the true text).
-        new = text[len(self._sent):] if text.startswith(self._sent) else ""
-        self._sent += new
+        # O(new text) per step: the LLM's new_text is final (complete characters); hold back the
+        # last max(len(stop)) - 1 of them (a stop string may straddle them and cut the text)
+        self._final += len(d.new_text)
+        end = len(out.text) if out.finished else max(self._sent, self._final - self._holdback)
+        new, self._sent = out.text[self._sent : end], end
         self._push(Delta(self.request_id, new, tuple(d.new_token_ids), len(out.prompt_token_ids),
                          len(out.token_ids), out.finish_reason, out.stop_reason))
 

@@ -27,7 +27,7 @@ from .sampling import SamplingParams, make_generator, sample
 from .scheduler import Request, Scheduler
 from .speculative import MTPSpeculator, SpecStats, parse_speculative
 from .step_inputs import DeviceIds, with_device_ids
-from .tokenizer import Tokenizer
+from .tokenizer import TextDecoder, Tokenizer
 
 DETERMINISTIC_TOKEN_BLOCK = 16  # rows per linear block in the deterministic mode (docs/architecture.md §8)
 DEFAULT_CPU_PAGES = 512  # 32K tokens of cache on the CPU unless DSA_NUM_PAGES says otherwise
@@ -136,6 +136,7 @@ class LLM:
             num_draft=self.num_draft,
         )
         self._outputs: dict[str, CompletionOutput] = {}
+        self._decoders: dict[str, TextDecoder] = {}  # each running request's output text, incrementally
         self._ids = itertools.count()
         self._lock = threading.RLock()
 
@@ -211,6 +212,7 @@ class LLM:
             gen = make_generator(params.seed, self.device)
             self.scheduler.add(rid, ids, params, generator=gen)
             self._outputs[rid] = CompletionOutput(rid, text, ids, logprobs=[] if params.logprobs is not None else None)
+            self._decoders[rid] = self.tokenizer.decoder()
         return rid
 
     def cancel(self, request_id: str) -> None:
@@ -227,6 +229,7 @@ class LLM:
 
     def pop_output(self, request_id: str) -> CompletionOutput:
         with self._lock:
+            self._decoders.pop(request_id, None)
             return self._outputs.pop(request_id)
 
     # ---------------------------------------------------------------- one engine step
@@ -281,30 +284,37 @@ class LLM:
         self.scheduler.update(step, [[0]] * len(step.sample_rows))  # every request in it is finished: no-op
 
     def _advance(self, req: Request, tokens: list[int], logprobs: list[float] | None) -> StepDelta:
-        o = self._outputs[req.request_id]
-        old_text = o.text
-        added = []
+        """The step's tokens into the request's output: text by its incremental decoder (O(new
+        tokens), not a decode of the whole output per token), stop strings searched where the new
+        text could complete one. ``new_text``: the text this step made final (complete characters;
+        on the last step everything left, or "" where a stop string cut text already handed out)."""
+        o, dec = self._outputs[req.request_id], self._decoders[req.request_id]
+        start = len(dec.committed)
+        longest = max(map(len, req.params.stop), default=0)
+        cut = None
         for i, token in enumerate(tokens):
             o.token_ids.append(token)
-            added.append(token)
             if o.logprobs is not None and logprobs is not None:
                 o.logprobs.append(logprobs[i])
-            o.text = self.tokenizer.decode(o.token_ids)
-            stopped = False
-            for s in req.params.stop:
-                cut = o.text.find(s)
-                if cut >= 0:
-                    o.text = o.text[:cut]
+            searched = len(dec.committed)  # the text before it held no stop string
+            dec.add(token)
+            if longest:
+                lo = max(0, searched - longest + 1)
+                window = dec.committed[lo:] + dec.tail
+                hit = next(((s, window.find(s)) for s in req.params.stop if s in window), None)
+                if hit is not None:
+                    cut = lo + hit[1]
                     if not req.finished:
-                        self.scheduler.finish(req.request_id, "stop", stop_reason=s)
-                    stopped = True
+                        self.scheduler.finish(req.request_id, "stop", stop_reason=hit[0])
                     break
-            if stopped:
-                break
+        added = tokens[: i + 1] if tokens else []
+        o.text = dec.text if cut is None else dec.text[:cut]
+        if req.finished and cut is None and o.text != (full := self.tokenizer.decode(o.token_ids)):
+            o.text = full  # a tokenizer whose windows decode otherwise (not byte-level BPE): the true text
         o.num_cached_tokens = req.num_cached_tokens
         if req.finished and o.finish_reason is None:
             o.finish_reason, o.stop_reason = req.finish_reason, req.stop_reason
-        new_text = o.text[len(old_text):] if o.text.startswith(old_text) else o.text
+        new_text = o.text[start:] if req.finished else dec.committed[start:]
         return StepDelta(req.request_id, added, new_text, o)
 
     # ---------------------------------------------------------------- batch and streaming APIs
@@ -336,6 +346,7 @@ class LLM:
                     return
         finally:
             self._outputs.pop(rid, None)
+            self._decoders.pop(rid, None)
 
 
 def available_host_memory() -> int | None:

@@ -1,0 +1,90 @@
+"""Host cost per generated token of an output's text, against the output's length (CPU).
+
+    python benchmarks/bench_detokenize.py [--lengths 128 1024 8192 32768] [--tokens 200]
+
+Columns, µs per token at an output of L tokens (median over --tokens tokens past L):
+- whole decode: ``Tokenizer.decode`` of the whole output, what LLM._advance did at every token
+  before the incremental decoder (and still does once, when a request finishes);
+- TextDecoder.add: the incremental decoder (dsa_trt/tokenizer.py);
+- LLM._advance + stream: the runtime's whole per-token text path now (the decoder, a stop-string
+  search, the CompletionOutput's text, AsyncLLM's delta), on an eager tiny engine.
+Text: the embedded corpus repeated (byte-level BPE, the tiny checkpoint's tokenizer).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from dsa_trt.export.tiny_checkpoint import CORPUS_PATH, write_tiny_checkpoint
+
+
+def per_token_us(fn, ids: list[int], start: int, n: int) -> float:
+    times = []
+    for t in ids[start : start + n]:
+        t0 = time.perf_counter()
+        fn(t)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e6
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--lengths", type=int, nargs="+", default=[128, 1024, 8192, 32768])
+    ap.add_argument("--tokens", type=int, default=200, help="tokens timed past each length")
+    a = ap.parse_args()
+    if min(a.lengths) < 1 or a.tokens < 1:
+        ap.error("--lengths and --tokens must be >= 1")
+
+    from dsa_trt.engine_config import EngineConfig
+    from dsa_trt.export.checkpoint import Checkpoint
+    from dsa_trt.export.program import build_network
+    from dsa_trt.runtime.async_llm import RequestHandle
+    from dsa_trt.runtime.engine import eager_engine
+    from dsa_trt.runtime.llm import LLM
+    from dsa_trt.runtime.sampling import SamplingParams
+
+    ckpt_dir = write_tiny_checkpoint(Path(tempfile.mkdtemp()) / "tiny")
+    ckpt = Checkpoint(ckpt_dir)
+    cfg = EngineConfig(model=ckpt.config, cache_mode="fp32", dtype="float32", device="cpu", compiler="eager",
+                       kv_scales=[1.0] * ckpt.config.num_hidden_layers)
+    engine = eager_engine(build_network(ckpt, "fp32", torch.float32, cfg.kv_scales), cfg, torch.device("cpu"),
+                          ckpt.tokenizer_path)
+    need = max(a.lengths) + a.tokens
+    llm = LLM(engine, num_pages=need // 64 + 2)  # the pool holds the longest output (never stepped)
+    tok = llm.tokenizer
+    corpus = tok.encode(CORPUS_PATH.read_text(encoding="utf-8"), add_bos=False)
+    ids = (corpus * (need // len(corpus) + 1))[:need]
+
+    print(f"host µs per generated token, median of {a.tokens} tokens past each output length "
+          f"({Path(CORPUS_PATH).name}, the tiny tokenizer)")
+    print("| output tokens | whole decode (before) | TextDecoder.add | LLM._advance + stream (now) | before / now |")
+    print("|---:|---:|---:|---:|---:|")
+    sp = SamplingParams(max_tokens=need + 1, ignore_eos=True, stop=["\x00never"])
+    for length in sorted(a.lengths):
+        out: list[int] = ids[:length]
+        whole = per_token_us(lambda t: (out.append(t), tok.decode(out)), ids, length, a.tokens)
+        dec = tok.decoder()
+        for t in ids[:length]:
+            dec.add(t)
+        inc = per_token_us(dec.add, ids, length, a.tokens)
+        rid = llm.add_request([2], sp)
+        req, handle = llm.scheduler.get(rid), RequestHandle(None, rid, [2], sp)
+        for t in ids[:length]:
+            handle._on_step(llm._advance(req, [t], None))
+        handle._items.clear()
+        path = per_token_us(lambda t: (handle._on_step(llm._advance(req, [t], None)), handle._items.clear()),
+                            ids, length, a.tokens)
+        llm.cancel(rid)
+        llm.pop_output(rid)
+        print(f"| {length:,} | {whole:.1f} | {inc:.1f} | {path:.1f} | {whole / path:.0f}x |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
