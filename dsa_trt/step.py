@@ -33,6 +33,7 @@ from dataclasses import dataclass, field, fields
 from typing import Mapping, NamedTuple, Union
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from dsa_trt.cache_layout import PAGE_SIZE
 
@@ -181,42 +182,43 @@ class StepInputs:
 
     @staticmethod
     def build(
-        seqs: list[tuple[list[int], int, list[int]]],
+        seqs: list[tuple[list[int], int, list[int] | torch.Tensor]],
         device: torch.device | str = "cpu",
         logits_for: str = "last",
     ) -> "StepInputs":
         """Pack sequences into a step.
 
-        seqs: one (new_token_ids, start_position, page_ids) per sequence, where page_ids are the
-        physical pages holding positions [0, start + len(new_token_ids)) of that sequence.
+        seqs: one (new_token_ids, start_position, page_ids) per sequence, where page_ids (a list,
+        or an int32 tensor such as runtime/scheduler.py Request.page_row()) are the physical pages
+        holding positions [0, start + len(new_token_ids)) of that sequence.
         logits_for: "last" (one row per sequence) or "all" (every packed token).
+        Host cost: O(new tokens) Python work, plus O(pages) per list page row (a tensor row is one
+        copy: at 128K-token contexts a row holds 2,048 pages).
         """
-        ids, pos, req, slots, last = [], [], [], [], []
-        max_pages = max(1, max(len(p) for _, _, p in seqs))
-        table = torch.zeros(len(seqs), max_pages, dtype=torch.int32)
+        ids, pos, req, last, rows = [], [], [], [], []
         for b, (toks, start, pages) in enumerate(seqs):
             n = len(toks)
             if n == 0:
                 raise ValueError(f"sequence {b} has no new tokens in this step")
-            need = -(-(start + n) // PAGE_SIZE)
-            if len(pages) < need:
+            if len(pages) * PAGE_SIZE < start + n:
                 raise ValueError(f"sequence {b}: {len(pages)} pages cannot hold {start + n} tokens")
-            table[b, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
-            for i, tok in enumerate(toks):
-                p = start + i
-                ids.append(tok)
-                pos.append(p)
-                req.append(b)
-                slots.append(pages[p // PAGE_SIZE] * PAGE_SIZE + p % PAGE_SIZE)
+            rows.append(pages if isinstance(pages, torch.Tensor) else torch.tensor(pages, dtype=torch.int32))
+            ids.extend(toks)
+            pos.extend(range(start, start + n))
+            req.extend([b] * n)
             last.append(len(ids) - 1)
-        logits_indices = list(range(len(ids))) if logits_for == "all" else last
+        table = pad_sequence(rows, batch_first=True)  # zero-padded: [batch, most pages]
+        positions = torch.tensor(pos, dtype=torch.int64)
+        req_idx = torch.tensor(req, dtype=torch.int32)
+        slots = table[req_idx.long(), positions // PAGE_SIZE].long() * PAGE_SIZE + positions % PAGE_SIZE
+        logits_indices = torch.arange(len(ids)) if logits_for == "all" else torch.tensor(last, dtype=torch.int64)
         return StepInputs(
             input_ids=torch.tensor(ids, dtype=torch.int64, device=device),
-            positions=torch.tensor(pos, dtype=torch.int64, device=device),
-            req_idx=torch.tensor(req, dtype=torch.int32, device=device),
+            positions=positions.to(device),
+            req_idx=req_idx.to(device),
             page_table=table.to(device),
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-            logits_indices=torch.tensor(logits_indices, dtype=torch.int64, device=device),
+            slot_mapping=slots.to(device),
+            logits_indices=logits_indices.to(device),
         )
 
 

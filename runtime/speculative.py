@@ -211,7 +211,7 @@ class MTPSpeculator:
         for _, s in pending:
             r = s.request
             m, end = r.mtp_computed, r.num_computed
-            packed.append((r.token_ids[m + 1 : end + 1], m, r.pages))  # the next token of each position
+            packed.append((r.token_ids[m + 1 : end + 1], m, r.page_row()))  # the next token of each position
             hidden.append(r.hidden)
             last.append((last[-1] if last else -1) + end - m)
         out = self._draft_call(StepInputs.build(packed), torch.cat(hidden))
@@ -239,7 +239,7 @@ class MTPSpeculator:
                 break
             # the next draft: input d_{j+1} at position L + j, hidden = the layer's previous output
             seqs = [step.seqs[b] for b in more]
-            inputs = StepInputs.build([([0], s.request.num_computed + j, s.request.pages) for s in seqs])
+            inputs = StepInputs.build([([0], s.request.num_computed + j, s.request.page_row()) for s in seqs])
             out = self._draft_call(inputs, torch.stack([state[b][1] for b in more]), self._device_ids(
                 [(i, drafts[b][-1]) for i, b in enumerate(more)], inputs))
             state.update({b: (out.logits[i], out.hidden[i]) for i, b in enumerate(more)})

@@ -66,6 +66,8 @@ def check_refcounts(sched: Scheduler) -> None:
     assert holders == [sched.pool.refcount(p) for p in range(sched.pool.num_pages)]
     assert sched.pool.num_allocatable + sum(h > 0 for h in holders) == sched.pool.num_pages
     assert all(not r.pages for r in sched.waiting)
+    for req in sched.running:  # the step's page-table rows (StepInputs.build) mirror the page lists
+        assert req.page_row().tolist() == req.pages
 
 
 def run_step(sched: Scheduler, engine: FakeEngine) -> list[Request]:
@@ -97,6 +99,41 @@ def run_all(
         steps += 1
     assert sched.schedule() is None
     return {rid: (r.output_token_ids, r.finish_reason) for rid, r in done.items()}
+
+
+def test_page_row_mirrors_pages_grown_and_replaced():
+    req = Request("r", [1, 2, 3], 3, SamplingParams(), 0)
+    assert req.page_row().tolist() == []
+    rng = random.Random(0)
+    for step in range(300):
+        if step % 97 == 50:
+            req.pages = [rng.randrange(999) for _ in range(rng.randrange(4))]  # admission / preemption
+        else:
+            req.pages += [rng.randrange(999) for _ in range(rng.choice([0, 0, 1, 3]))]
+        row = req.page_row()
+        assert row.dtype == torch.int32 and row.tolist() == req.pages
+    grown = req.page_row()
+    assert grown.shape[0] == len(req.pages) > 16  # past the first buffer
+
+
+def test_build_takes_page_rows_as_lists_or_tensors():
+    rng = random.Random(1)
+    for _ in range(50):
+        seqs = []
+        for _ in range(rng.randint(1, 6)):
+            start, n = rng.randint(0, 300), rng.randint(1, 70)
+            pages = [rng.randrange(500) for _ in range(-(-(start + n) // PAGE_SIZE) + rng.randint(0, 2))]
+            seqs.append(([rng.randrange(VOCAB) for _ in range(n)], start, pages))
+        for logits_for in ("all", "last"):
+            a = StepInputs.build(seqs, logits_for=logits_for)
+            b = StepInputs.build([(t, s, torch.tensor(p, dtype=torch.int32)) for t, s, p in seqs], logits_for=logits_for)
+            for x, y in zip(a.as_tuple(), b.as_tuple()):
+                assert x.dtype == y.dtype and torch.equal(x, y)
+            # the slots: page p // 64 of the sequence's row, offset p % 64
+            for t in range(a.input_ids.shape[0]):
+                toks, start, pages = seqs[int(a.req_idx[t])]
+                pos = int(a.positions[t])
+                assert int(a.slot_mapping[t]) == pages[pos // PAGE_SIZE] * PAGE_SIZE + pos % PAGE_SIZE
 
 
 # ---------------------------------------------------------------- end to end

@@ -1,8 +1,13 @@
-"""Host cost per generated token of an output's text, against the output's length (CPU).
+"""Host costs that grow with context and output length: a decode step's inputs, an output's text (CPU).
 
-    python benchmarks/bench_detokenize.py [--lengths 128 1024 8192 32768] [--tokens 200]
+    python benchmarks/bench_host.py [--lengths 128 1024 8192 32768] [--tokens 200]
 
-Columns, µs per token at an output of L tokens (median over --tokens tokens past L):
+Table 1, the scheduler's step inputs (StepInputs.build) of one decode step of B sequences at a
+context of C tokens, µs (median of 20): page rows as Python lists (what the scheduler passed before)
+and as Request.page_row() tensors (what the scheduler passes now: grown in place as pages are
+appended).
+
+Table 2, µs per generated token of an output's text at L tokens (median over --tokens tokens past L):
 - whole decode: ``Tokenizer.decode`` of the whole output, what LLM._advance did at every token
   before the incremental decoder (and still does once, when a request finishes);
 - TextDecoder.add: the incremental decoder (dsa_trt/tokenizer.py);
@@ -61,11 +66,36 @@ def main() -> int:
     corpus = tok.encode(CORPUS_PATH.read_text(encoding="utf-8"), add_bos=False)
     ids = (corpus * (need // len(corpus) + 1))[:need]
 
-    print(f"host µs per generated token, median of {a.tokens} tokens past each output length "
+    from dsa_trt.runtime.scheduler import Request
+    from dsa_trt.step import StepInputs
+
+    sp = SamplingParams(max_tokens=need + 1, ignore_eos=True, stop=["\x00never"])
+
+    print("decode step inputs (StepInputs.build), µs, median of 20")
+    print("| batch | context | rows as lists | rows as Request.page_row() (the scheduler now) | lists / page_row |")
+    print("|---:|---:|---:|---:|---:|")
+    for batch, context in ((1, 4096), (32, 4096), (32, 32768), (32, 131072), (128, 32768)):
+        reqs = []
+        for b in range(batch):
+            r = Request(f"r{b}", [2] * (context + 1), context, sp, b)
+            r.pages = list(range(b * 2100, b * 2100 + context // 64 + 1))
+            r.page_row()  # the row exists from the earlier steps; a step appends at most one page
+            reqs.append(r)
+        lists = [([5], context, r.pages) for r in reqs]
+        cost = []
+        for make in (lambda: lists, lambda: [([5], context, r.page_row()) for r in reqs]):
+            times = []
+            for _ in range(21):
+                t0 = time.perf_counter()
+                StepInputs.build(make(), logits_for="all")
+                times.append(time.perf_counter() - t0)
+            cost.append(statistics.median(times[1:]) * 1e6)
+        print(f"| {batch} | {context:,} | {cost[0]:.0f} | {cost[1]:.0f} | {cost[0] / cost[1]:.0f}x |", flush=True)
+
+    print(f"\nhost µs per generated token, median of {a.tokens} tokens past each output length "
           f"({Path(CORPUS_PATH).name}, the tiny tokenizer)")
     print("| output tokens | whole decode (before) | TextDecoder.add | LLM._advance + stream (now) | before / now |")
     print("|---:|---:|---:|---:|---:|")
-    sp = SamplingParams(max_tokens=need + 1, ignore_eos=True, stop=["\x00never"])
     for length in sorted(a.lengths):
         out: list[int] = ids[:length]
         whole = per_token_us(lambda t: (out.append(t), tok.decode(out)), ids, length, a.tokens)
