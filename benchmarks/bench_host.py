@@ -14,6 +14,10 @@ Table 2, µs per generated token of an output's text at L tokens (median over --
 - LLM._advance + stream: the runtime's whole per-token text path now (the decoder, a stop-string
   search, the CompletionOutput's text, AsyncLLM's delta), on an eager tiny engine.
 Text: the embedded corpus repeated (byte-level BPE, the tiny checkpoint's tokenizer).
+
+Table 3, the token histories the penalties read (repetition / presence / frequency), one decode step
+of B penalised sequences with C-token prompts, vocabulary 129,280 (V3.2's), ms: rebuilt from the id
+lists (before) against each request's TokenHistory synced with its one new token (now), CPU tensors.
 """
 
 from __future__ import annotations
@@ -91,6 +95,33 @@ def main() -> int:
                 times.append(time.perf_counter() - t0)
             cost.append(statistics.median(times[1:]) * 1e6)
         print(f"| {batch} | {context:,} | {cost[0]:.0f} | {cost[1]:.0f} | {cost[0] / cost[1]:.0f}x |", flush=True)
+
+    from dsa_trt.runtime.sampling import TokenHistory, _history_rows
+
+    print("\npenalty histories (counts and seen rows [B, 129,280]), ms, median of 5")
+    print("| batch | prompt tokens | from the id lists (before) | TokenHistory (now) | before / now |")
+    print("|---:|---:|---:|---:|---:|")
+    vocab, cpu = 129_280, torch.device("cpu")
+    for batch, context in ((1, 4096), (8, 32768), (32, 32768)):
+        g = torch.Generator().manual_seed(batch)
+        reqs = [Request(f"p{b}", torch.randint(vocab, (context + 64,), generator=g).tolist(), context, sp, b)
+                for b in range(batch)]
+        hist = [r.token_history() for r in reqs]
+        for h in hist:
+            h.rows(vocab, cpu)
+        cost = []
+        for fn in (lambda: _history_rows(batch, vocab, cpu, [r.output_token_ids for r in reqs],
+                                         [r.prompt_token_ids for r in reqs]),
+                   lambda: [torch.stack(t) for t in zip(*(h.rows(vocab, cpu) for h in hist))]):
+            times = []
+            for _ in range(5):
+                for r in reqs:
+                    r.token_ids.append(7)  # the step's new token
+                t0 = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - t0)
+            cost.append(statistics.median(times) * 1e3)
+        print(f"| {batch} | {context:,} | {cost[0]:.1f} | {cost[1]:.2f} | {cost[0] / cost[1]:.0f}x |", flush=True)
 
     print(f"\nhost µs per generated token, median of {a.tokens} tokens past each output length "
           f"({Path(CORPUS_PATH).name}, the tiny tokenizer)")

@@ -111,17 +111,38 @@ class SampleOutput:
     top_logprobs: torch.Tensor | None = None  # [N, K] fp32, descending
 
 
-def apply_penalties(
-    logits: torch.Tensor,
-    params: Sequence[SamplingParams],
-    prev_tokens: Sequence[Sequence[int]] | None,
-    prompt_tokens: Sequence[Sequence[int]] | None,
-) -> torch.Tensor:
-    """Repetition (HF: divide positive / multiply negative logits of seen tokens, prompt included)
-    then presence and frequency (OpenAI: subtract per generated-token count). Rows without
-    penalties are untouched bit for bit (neutral values are exact in fp32)."""
-    n, vocab = logits.shape
-    dev = logits.device
+class TokenHistory:
+    """One request's tokens as the penalties read them, on the sampling device and brought up to
+    date in O(new tokens) per step: ``counts`` [V] fp32 of its generated tokens, ``seen`` [V] bool
+    of every token of its prompt or output. (Rebuilt from the id lists at every step they cost
+    O(context): 190 ms per step at B = 32 x 32K-token prompts on the 2-core machine.) ``request``:
+    anything with ``token_ids`` (prompt then generated, only ever appended to) and
+    ``num_prompt_tokens`` (runtime/scheduler.py Request)."""
+
+    def __init__(self, request):
+        self.request = request
+        self.counts: torch.Tensor | None = None
+        self.seen: torch.Tensor | None = None
+        self._synced = 0  # token_ids[:_synced] are in counts / seen
+
+    def rows(self, vocab: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        ids, n_prompt = self.request.token_ids, self.request.num_prompt_tokens
+        if self.counts is None or self.counts.device != device or self.counts.shape[0] != vocab:
+            self.counts = torch.zeros(vocab, dtype=torch.float32, device=device)
+            self.seen = torch.zeros(vocab, dtype=torch.bool, device=device)
+            if n_prompt:
+                self.seen[torch.tensor(ids[:n_prompt], dtype=torch.int64, device=device)] = True
+            self._synced = n_prompt
+        if len(ids) > self._synced:
+            new = torch.tensor(ids[self._synced :], dtype=torch.int64, device=device)
+            self.counts.index_put_((new,), torch.ones_like(new, dtype=torch.float32), accumulate=True)
+            self.seen[new] = True
+            self._synced = len(ids)
+        return self.counts, self.seen
+
+
+def _history_rows(n: int, vocab: int, dev: torch.device, prev_tokens, prompt_tokens) -> tuple[torch.Tensor, torch.Tensor]:
+    """(counts [N, V] fp32 of the generated tokens, seen [N, V] bool of prompt or generated) from id lists."""
     outputs = [list(prev_tokens[i]) if prev_tokens else [] for i in range(n)]
     prompts = [list(prompt_tokens[i]) if prompt_tokens else [] for i in range(n)]
 
@@ -130,12 +151,36 @@ def apply_penalties(
         cols = [t for toks in lists for t in toks]
         return torch.tensor(rows, dtype=torch.int64, device=dev), torch.tensor(cols, dtype=torch.int64, device=dev)
 
-    counts = torch.zeros(n, vocab, dtype=torch.float32, device=dev)  # [N, V] generated-token counts
+    counts = torch.zeros(n, vocab, dtype=torch.float32, device=dev)
     r, c = row_token_index(outputs)
     counts.index_put_((r, c), torch.ones_like(c, dtype=torch.float32), accumulate=True)
     seen = counts > 0
     r, c = row_token_index(prompts)
     seen[r, c] = True
+    return counts, seen
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    prev_tokens: Sequence[Sequence[int]] | None,
+    prompt_tokens: Sequence[Sequence[int]] | None,
+    histories: Sequence[TokenHistory | None] | None = None,
+) -> torch.Tensor:
+    """Repetition (HF: divide positive / multiply negative logits of seen tokens, prompt included)
+    then presence and frequency (OpenAI: subtract per generated-token count). Rows without
+    penalties are untouched bit for bit (neutral values are exact in fp32). A row's tokens come
+    from ``histories[i]`` where given (the runtime's), else from its id lists."""
+    n, vocab = logits.shape
+    dev = logits.device
+    if histories is not None:
+        rows = [h.rows(vocab, dev) if h is not None else None for h in histories]
+        zero_counts = torch.zeros(vocab, dtype=torch.float32, device=dev)
+        zero_seen = torch.zeros(vocab, dtype=torch.bool, device=dev)
+        counts = torch.stack([r[0] if r else zero_counts for r in rows])
+        seen = torch.stack([r[1] if r else zero_seen for r in rows])
+    else:
+        counts, seen = _history_rows(n, vocab, dev, prev_tokens, prompt_tokens)
 
     rep = torch.tensor([p.repetition_penalty for p in params], dtype=torch.float32, device=dev)[:, None]
     penalised = torch.where(logits > 0, logits / rep, logits * rep)
@@ -166,12 +211,15 @@ def sample(
     generators: Sequence[torch.Generator | None] | None = None,
     prev_tokens: Sequence[Sequence[int]] | None = None,
     prompt_tokens: Sequence[Sequence[int]] | None = None,
+    histories: Sequence[TokenHistory | None] | None = None,
 ) -> SampleOutput:
     """Pick one token per row of ``logits`` [N, V] fp32 (any device); everything stays on device.
 
     generators[i]: row i's torch.Generator (on logits.device), required for seeded rows.
     prev_tokens[i] / prompt_tokens[i]: row i's generated / prompt token ids, read only for rows
-    with penalties (``SamplingParams.needs_history``); pass [] for the others.
+    with penalties (``SamplingParams.needs_history``); pass [] for the others. ``histories[i]``
+    (the runtime's, O(new tokens) per step): row i's TokenHistory instead of those lists, None
+    for rows without penalties.
     """
     n, vocab = logits.shape
     if len(params) != n:
@@ -180,7 +228,7 @@ def sample(
     logits = logits.float()
     raw = logits
     if any(p.needs_history for p in params):
-        logits = apply_penalties(logits, params, prev_tokens, prompt_tokens)
+        logits = apply_penalties(logits, params, prev_tokens, prompt_tokens, histories)
     tokens = torch.argmax(logits, dim=-1)  # [N] greedy choice, replaced below for sampled rows
     rows = [i for i, p in enumerate(params) if not p.greedy]
     if rows:

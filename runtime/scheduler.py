@@ -37,7 +37,7 @@ import torch
 
 from dsa_trt.config import PAGE_SIZE
 from dsa_trt.runtime.page_pool import PagePool, page_key, pages_for
-from dsa_trt.runtime.sampling import SamplingParams
+from dsa_trt.runtime.sampling import SamplingParams, TokenHistory
 from dsa_trt.runtime.step_inputs import StepInputs
 
 
@@ -73,6 +73,13 @@ class Request:
     _row: torch.Tensor | None = field(default=None, repr=False)  # page_row()'s buffer
     _row_of: list[int] | None = field(default=None, repr=False)  # the pages list it mirrors
     _row_len: int = field(default=0, repr=False)
+    _history: TokenHistory | None = field(default=None, repr=False)  # token_history()
+
+    def token_history(self) -> TokenHistory:
+        """The penalties' view of this request's tokens (runtime/sampling.py), made on first use."""
+        if self._history is None:
+            self._history = TokenHistory(self)
+        return self._history
 
     def page_row(self) -> torch.Tensor:
         """``pages`` as an int32 tensor (a view of a buffer grown in place), the step's page-table
@@ -135,16 +142,11 @@ class ScheduledStep:
         return [s.request for s in self.seqs if s.samples]
 
     def sampling_args(self) -> dict:
-        """Keyword arguments of sampling.sample() for ``logits[sample_rows]``; token histories
-        are copied only for rows with penalties."""
+        """Keyword arguments of sampling.sample() for ``logits[sample_rows]``; rows with penalties
+        read their requests' token histories (kept on the device, O(new tokens) per step)."""
         reqs = self.sampling_requests
-        hist = [r.params.needs_history for r in reqs]
-        return dict(
-            params=[r.params for r in reqs],
-            generators=[r.generator for r in reqs],
-            prev_tokens=[r.output_token_ids if h else [] for r, h in zip(reqs, hist)],
-            prompt_tokens=[r.prompt_token_ids if h else [] for r, h in zip(reqs, hist)],
-        )
+        return dict(params=[r.params for r in reqs], generators=[r.generator for r in reqs],
+                    histories=[r.token_history() if r.params.needs_history else None for r in reqs])
 
 
 class Scheduler:

@@ -332,8 +332,7 @@ class MTPSpeculator:
             reqs = [s.request for _, s in plain]
             rows = torch.tensor([step.logit_starts[b] for b, _ in plain], dtype=torch.int64, device=dev)
             res = sample(logits[rows], [r.params for r in reqs], [r.generator for r in reqs],
-                         [r.output_token_ids if r.params.needs_history else [] for r in reqs],
-                         [r.prompt_token_ids if r.params.needs_history else [] for r in reqs])
+                         histories=[r.token_history() if r.params.needs_history else None for r in reqs])
             tokens.update({b: [t] for (b, _), t in zip(plain, res.token_ids.tolist())})
         # the target's argmax of every row and the greedy drafts at once (one device sync)
         argmax = greedy = None

@@ -6,7 +6,14 @@ import numpy as np
 import pytest
 import torch
 
-from dsa_trt.runtime.sampling import SamplingParams, apply_penalties, make_generator, sample, top_k_top_p_mask
+from dsa_trt.runtime.sampling import (
+    SamplingParams,
+    TokenHistory,
+    apply_penalties,
+    make_generator,
+    sample,
+    top_k_top_p_mask,
+)
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
@@ -168,6 +175,34 @@ def test_penalties_match_reference():
         )
         np.testing.assert_allclose(got[i].numpy(), ref, rtol=1e-6, atol=1e-6, err_msg=f"row {i}")
     assert torch.equal(got[2], logits[2])  # bit for bit
+
+
+class Seq:
+    """What TokenHistory reads of a request: token_ids (prompt then generated) and the prompt length."""
+
+    def __init__(self, prompt: list[int]):
+        self.token_ids, self.num_prompt_tokens = list(prompt), len(prompt)
+
+
+def test_token_histories_equal_the_id_lists_bit_for_bit():
+    """The runtime's incremental histories (synced a few tokens per step) give the penalised
+    logits of a rebuild from the id lists, every step, for rows with and without penalties."""
+    vocab, rng = 50, torch.Generator().manual_seed(5)
+    seqs = [Seq(torch.randint(vocab, (n,), generator=rng).tolist()) for n in (7, 0, 3)]
+    params = [SamplingParams(temperature=0, repetition_penalty=1.3, presence_penalty=0.5, frequency_penalty=0.25),
+              SamplingParams(temperature=0, frequency_penalty=1.5), SamplingParams(temperature=0)]
+    histories = [TokenHistory(seqs[0]), TokenHistory(seqs[1]), None]
+    for step in range(40):
+        logits = torch.randn(3, vocab, generator=rng) * 2
+        want = apply_penalties(logits, params, [s.token_ids[s.num_prompt_tokens :] for s in seqs[:2]] + [[]],
+                               [s.token_ids[: s.num_prompt_tokens] for s in seqs[:2]] + [[]])
+        got = apply_penalties(logits, params, None, None, histories)
+        assert torch.equal(got, want), step
+        assert torch.equal(got[2], logits[2])
+        for s in seqs:  # 0 to 3 new tokens per step (a verify step appends several)
+            s.token_ids += torch.randint(vocab, (step % 4,), generator=rng).tolist()
+    counts, seen = histories[0].rows(vocab, torch.device("cpu"))  # synced to the last tokens too
+    assert int(counts.sum()) == len(seqs[0].token_ids) - 7 and int(seen.sum()) == len(set(seqs[0].token_ids))
 
 
 def test_repetition_penalty_changes_greedy_choice():
