@@ -27,9 +27,9 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
 
-    def decoder(self) -> "TextDecoder":
-        """An incremental decoder of one growing output (``TextDecoder``)."""
-        return TextDecoder(self)
+    def decoder(self, ids: list[int] | None = None) -> "TextDecoder":
+        """An incremental decoder of one growing output (``TextDecoder``) over ``ids``."""
+        return TextDecoder(self, ids)
 
 
 UNDECODED = "\ufffd"  # what decode() shows for a byte sequence the next token may complete
@@ -44,9 +44,9 @@ class TextDecoder:
     ends in U+FFFD), and ``committed + tail`` equals ``decode(ids)`` for byte-level BPE tokenizers
     (DeepSeek's, GLM's, the tiny model's; tests/test_detokenize.py checks it)."""
 
-    def __init__(self, tokenizer: Tokenizer):
+    def __init__(self, tokenizer: Tokenizer, ids: list[int] | None = None):
         self._tok = tokenizer
-        self.ids: list[int] = []
+        self.ids = [] if ids is None else ids  # the output's token list, appended to by add() only
         self._prefix = self._read = 0  # window ids[_prefix:]; ids[_prefix:_read] already committed
         self.committed = ""
         self.tail = ""

@@ -15,8 +15,9 @@ Streamed text: the concatenation of a request's delta texts equals its final ``t
 carries text once it is final (the LLM's incremental decoder, dsa_trt/tokenizer.py TextDecoder,
 holds back an incomplete UTF-8 sequence the next token may complete), less the last
 ``max(len(stop)) - 1`` characters (a stop string may straddle them and cut the text), as vLLM's
-incremental detokenizer does; each step costs O(its new text), whatever the output's length. Seeded requests give the same tokens as ``LLM.generate`` with the same
-seed: the sampler draws from per-request generators.
+incremental detokenizer does; each step costs O(its new text), whatever the output's length.
+Seeded requests give the same tokens as ``LLM.generate`` with the same seed: the sampler draws
+from per-request generators.
 """
 
 from __future__ import annotations

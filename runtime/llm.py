@@ -212,7 +212,7 @@ class LLM:
             gen = make_generator(params.seed, self.device)
             self.scheduler.add(rid, ids, params, generator=gen)
             self._outputs[rid] = CompletionOutput(rid, text, ids, logprobs=[] if params.logprobs is not None else None)
-            self._decoders[rid] = self.tokenizer.decoder()
+            self._decoders[rid] = self.tokenizer.decoder(self._outputs[rid].token_ids)  # appends to it
         return rid
 
     def cancel(self, request_id: str) -> None:
@@ -293,11 +293,10 @@ class LLM:
         longest = max(map(len, req.params.stop), default=0)
         cut = None
         for i, token in enumerate(tokens):
-            o.token_ids.append(token)
             if o.logprobs is not None and logprobs is not None:
                 o.logprobs.append(logprobs[i])
             searched = len(dec.committed)  # the text before it held no stop string
-            dec.add(token)
+            dec.add(token)  # appends it to o.token_ids
             if longest:
                 lo = max(0, searched - longest + 1)
                 window = dec.committed[lo:] + dec.tail

@@ -141,7 +141,8 @@ class TokenHistory:
         return self.counts, self.seen
 
 
-def _history_rows(n: int, vocab: int, dev: torch.device, prev_tokens, prompt_tokens) -> tuple[torch.Tensor, torch.Tensor]:
+def _history_rows(n: int, vocab: int, dev: torch.device, prev_tokens,
+                  prompt_tokens) -> tuple[torch.Tensor, torch.Tensor]:
     """(counts [N, V] fp32 of the generated tokens, seen [N, V] bool of prompt or generated) from id lists."""
     outputs = [list(prev_tokens[i]) if prev_tokens else [] for i in range(n)]
     prompts = [list(prompt_tokens[i]) if prompt_tokens else [] for i in range(n)]
