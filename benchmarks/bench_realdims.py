@@ -1,7 +1,7 @@
 """Per-layer time of a real-dims V3.2 slice against its roofline, and a modelled 8xH200 decode (issue 25 item 7).
 
     python benchmarks/bench_realdims.py [--checkpoint DIR] [--layers 4] [--experts 256] [--quick] [--no-graphs]
-        [--compile] [--top-kernels N]
+        [--compile] [--top-kernels N] [--mtp [N ...]] [--mtp-acceptance A [A ...]]
 
 The network: DSAForCausalLM with V3.2's real per-layer dims (export/real_dims.py), bf16 activations,
 fp8 caches, every e4m3 Linear kept W8A8 (weight_format="fp8") and the routed experts as one
@@ -538,8 +538,8 @@ def roofline_us(bytes_, fp8, bf16) -> float:
 # ------------------------------------------------------------------------------------------ shapes
 def decode_step(cfg, batch: int, context: int, num_pages: int, rng: random.Random, device,
                 query: int = 1) -> StepInputs:
-    """``batch`` sequences of ``context`` cached tokens, each with ``query`` new tokens (1: decode; 2:
-    the verify step of one MTP draft)."""
+    """``batch`` sequences of ``context`` cached tokens, each with ``query`` new tokens (1: decode; N + 1:
+    the verify step of N MTP drafts)."""
     ppd = -(-(context + query) // 64)
     pages = rng.sample(range(num_pages), batch * ppd)
     return StepInputs.build([([rng.randrange(2, cfg.vocab_size) for _ in range(query)], context,
@@ -642,15 +642,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compile", action="store_true",
                     help="capture the graph rows from torch.compile's Inductor forward, as the engine's AOTInductor "
                          "program fuses it (the eager rows stay eager)")
-    ap.add_argument("--mtp", action="store_true",
-                    help="also measure each decode shape as an MTP verify step (2 query tokens per sequence) and "
-                         "model the attention-DP + EP8 decode with one draft")
-    ap.add_argument("--mtp-acceptance", type=float, default=0.85,
-                    help="the draft acceptance the MTP model assumes (default 0.85: DeepSeek reports 85-90%%)")
+    ap.add_argument("--mtp", type=int, nargs="*", default=None, metavar="N",
+                    help="also measure each decode shape as the verify step of N MTP drafts (N + 1 query tokens per "
+                         "sequence; --mtp alone: N = 1; several N: one verify sweep and one model each) and model "
+                         "the attention-DP + EP8 decode with N drafts per sequence")
+    ap.add_argument("--mtp-acceptance", type=float, nargs="+", default=[0.85, 0.63], metavar="A",
+                    help="the conditional acceptance of draft 1, 2, ... the MTP model assumes, the last repeating "
+                         "(default 0.85 0.63: DeepSeek reports 85-90%% for the first draft; realdims_model.py says "
+                         "where 0.63 comes from)")
     ap.add_argument("--top-kernels", type=int, default=0, metavar="N",
                     help="after the CUDA-graph rows: the N longest kernels of every layer kind and region, "
                          "µs per layer")
     a = ap.parse_args(argv)
+    drafts = sorted(set(a.mtp or [1])) if a.mtp is not None else []
+    if any(n < 1 or n > 8 for n in drafts):
+        ap.error(f"--mtp {' '.join(map(str, a.mtp))}: each N must be in 1..8 (the runtime's mtp:N range)")
+    if any(not 0.0 < x <= 1.0 for x in a.mtp_acceptance):
+        ap.error(f"--mtp-acceptance {' '.join(map(str, a.mtp_acceptance))}: each value must be in (0, 1]")
     iters = 3 if a.quick else a.iters
     replays = 20 if a.quick else a.replays
     device = torch.device(a.device)
@@ -677,17 +685,17 @@ def main(argv: list[str] | None = None) -> int:
             shapes.append((f"decode B={b} ctx={tokens_label(ctx)}", (b, ctx),
                            lambda n, b=b, ctx=ctx: decode_step(cfg, b, ctx, n, rng, device),
                            b * -(-(ctx + 1) // 64), [(1, ctx)] * b, b))
-    if a.mtp:  # the verify step of one MTP draft: 2 query tokens per sequence after ctx cached ones
+    for q in (n + 1 for n in drafts):  # the verify step of N drafts: q = N + 1 query tokens after ctx cached ones
         for ctx in a.contexts:
             for b in a.batches:
-                shapes.append((f"verify B={b}x2 ctx={tokens_label(ctx)}", ("verify", b, ctx),
-                               lambda n, b=b, ctx=ctx: decode_step(cfg, b, ctx, n, rng, device, query=2),
-                               b * -(-(ctx + 2) // 64), [(2, ctx + 2)] * b, 2 * b))
-    decode, verify = {}, {}
+                shapes.append((f"verify B={b}x{q} ctx={tokens_label(ctx)}", ("verify", q, b, ctx),
+                               lambda n, b=b, ctx=ctx, q=q: decode_step(cfg, b, ctx, n, rng, device, query=q),
+                               b * -(-(ctx + q) // 64), [(q, ctx + q)] * b, q * b))
+    decode, verify = {}, {}  # decode keyed (b, ctx), verify (q, b, ctx)
     for label, key, build, pages, seqs, tokens in shapes:
         got = run_shape(net, label, build, pages, seqs, tokens, iters, device, a.warmup, replays if graphs else 0)
         if got:
-            (verify if key[0] == "verify" else decode)[key[-2:]] = got
+            (verify if key[0] == "verify" else decode)[key[1:] if key[0] == "verify" else key] = got
     for s in a.prefill:
         run_shape(net, f"prefill {tokens_label(s)} tokens", lambda n, s=s: prefill_step(cfg, s, n, rng, device),
                   -(-s // 64), [(s, s)], s, iters, device, a.warmup)
@@ -711,7 +719,7 @@ def main(argv: list[str] | None = None) -> int:
             if compiled is not None:
                 print(f"  {label}: compiled, captured and profiled in {time.perf_counter() - t1:.0f} s",
                       file=sys.stderr, flush=True)
-            eager = (verify if key[0] == "verify" else decode).get(key[-2:])
+            eager = verify.get(key[1:]) if key[0] == "verify" else decode.get(key)
             print_graph_rows(net, label, got, eager[2] if eager else None, seqs, tokens)
             graph_rows[key] = got
         if a.top_kernels > 0:
@@ -725,9 +733,9 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda" and cfg.n_routed_experts == 256 and decode:
         batches = sorted({b for b, _ in decode})
         tokens = {*batches, *(WORLD * b for b in batches)}
-        tokens |= {2 * t for t in tokens} if verify else set()
+        tokens |= {(n + 1) * t for t in tokens for n in drafts}
         model_8gpu_dp(decode, graph_rows, experts_alone_us(net, sorted(tokens), replays, device), cfg, verify,
-                      a.mtp_acceptance)
+                      a.mtp_acceptance, drafts)
     return 0
 
 

@@ -25,14 +25,24 @@ plan's cache holds B sequences of the context on a GPU (else it says how many it
 22 of 32K for V3.2 on 141 GB; measure that batch too, e.g. ``--batches 1 22 32 128``). Output tok/s
 per GPU = B / step.
 
-``--mtp`` adds each decode shape as the verify step of one MTP draft (2 query tokens per sequence,
-"verify B=..x2" rows) and a third model: the attention-DP + EP8 decode with MTP, whose step is the 61
-layers as measured at the verify shape (the experts alone at 2B and 16B tokens, as above) plus the
-MTP layer (a decoder layer with its own 256 experts: one more MoE layer at the decode shape) and
-yields 1 + a tokens per sequence, a = ``--mtp-acceptance`` (assumed, default 0.85: DeepSeek's 85-90%
-for V3.2; the tiny embedded model's is measured by dsa-trt bench). Its plan holds the MTP layer's
-weights and caches too (20 sequences of 32K per GPU, 163 of 4K). Each row also says which acceptance
-would give 1,000 output tok/s per GPU.
+``--mtp N [N ...]`` adds each decode shape as the verify step of N MTP drafts (N + 1 query tokens per
+sequence, "verify B=..x(N+1)" rows) and a third model: the attention-DP + EP8 decode with N drafts per
+sequence, whose step is the main model at the verify shape (the 61 layers, the experts alone at (N+1)B
+and 8(N+1)B tokens, as above, and what runs outside the layers) plus the MTP passes: the first over the
+step's (N+1)B rows (the fused step's: the verify shape), then N - 1 recurrent passes of one token per
+sequence (the decode shape), each an MoE layer with its own experts plus the shared head (the
+"outside" of its shape). It yields tau = 1 + a_1 + a_1 a_2 + ... + a_1 ... a_N tokens per sequence,
+a_k the conditional acceptance of draft k (``--mtp-acceptance``, the last value repeating; assumed,
+default 0.85 then 0.63: DeepSeek reports 85-90% for the first draft; the second is the value that,
+after 0.85, gives nebius/MTP-DeepSeek-V3-0324's published mean acceptance length 3.20 for
+DeepSeek-V3-0324's own MTP layer reused recurrently over 7 drafts at temperature 0; the tiny embedded
+model's is measured by dsa-trt bench). Not counted: the MTP layer's eh_proj and norms (103 MB of e4m3,
+~25 µs a pass at HBM speed). Its plan holds the MTP layer's weights and caches too (20 sequences of
+32K per GPU, 163 of 4K). Each row also says which tau would give 1,000 output tok/s per GPU.
+
+The DP models count the measured "outside the layers" of a graph row (embedding, final norm and the
+bf16 lm_head over 129,280 entries on every GPU: ~0.42-0.49 ms at these shapes); an eager row has none
+measured, and its rows say so.
 """
 
 from __future__ import annotations
@@ -65,9 +75,10 @@ def dp_layers_us(per_kind: dict, tokens: int, experts_us: dict[int, float], cfg:
     return {"dense": layer_us.get("dense", moe_layer), "moe_layer": moe_layer, "moe": moe, "comm": comm}
 
 
-def _per_kind(graph_rows: dict, key, eager_kinds: dict) -> tuple[dict, str]:
+def _per_kind(graph_rows: dict, key, eager_kinds: dict) -> tuple[dict, str, float | None]:
+    """(per layer kind and category µs, "graph" | "eager", µs outside the layers or None)."""
     g = graph_rows.get(key, {})
-    return (g["per_kind"], "graph") if "per_kind" in g else (eager_kinds, "eager")
+    return (g["per_kind"], "graph", g.get("outside")) if "per_kind" in g else (eager_kinds, "eager", None)
 
 
 def dp_ep_rows(decode: dict, graph_rows: dict, experts_us: dict[int, float], cfg: ModelConfig,
@@ -77,7 +88,7 @@ def dp_ep_rows(decode: dict, graph_rows: dict, experts_us: dict[int, float], cfg
     cache holds. Pure arithmetic over the measured numbers (tests/test_bench_realdims_model.py)."""
     rows = []
     for (b, ctx), (eager_kinds, _, _) in sorted(decode.items(), key=lambda kv: (kv[0][1], kv[0][0])):
-        per_kind, source = _per_kind(graph_rows, (b, ctx), eager_kinds)
+        per_kind, source, outside = _per_kind(graph_rows, (b, ctx), eager_kinds)
         if "MoE" not in per_kind or b not in experts_us or WORLD * b not in experts_us:
             continue
         held = seqs_held(ctx)
@@ -86,46 +97,64 @@ def dp_ep_rows(decode: dict, graph_rows: dict, experts_us: dict[int, float], cfg
             rows.append(row)
             continue
         lay = dp_layers_us(per_kind, b, experts_us, cfg)
-        step = FULL_DENSE * lay["dense"] + (FULL_LAYERS - FULL_DENSE) * lay["moe_layer"]
+        step = FULL_DENSE * lay["dense"] + (FULL_LAYERS - FULL_DENSE) * lay["moe_layer"] + (outside or 0.0)
         row.update(step_us=step, comm_us=(FULL_LAYERS - FULL_DENSE) * lay["comm"], moe_us=lay["moe"],
-                   tok_s_per_gpu=b / (step / 1e6), per_user=1e6 / step)
+                   outside_us=outside, tok_s_per_gpu=b / (step / 1e6), per_user=1e6 / step)
         rows.append(row)
     return rows
 
 
+def tokens_per_step(acceptance, num_draft: int) -> float:
+    """tau = 1 + a_1 + a_1 a_2 + ... + a_1 ... a_N: the mean tokens a sequence gains per verify step of
+    N drafts, a_k the conditional acceptance of draft k (``acceptance``: one value or a list whose
+    last value repeats)."""
+    rates = [acceptance] if isinstance(acceptance, (int, float)) else list(acceptance)
+    tau, run = 1.0, 1.0
+    for k in range(num_draft):
+        run *= rates[min(k, len(rates) - 1)]
+        tau += run
+    return tau
+
+
 def mtp_dp_rows(decode: dict, verify: dict, graph_rows: dict, experts_us: dict[int, float], cfg: ModelConfig,
-                seqs_held, acceptance: float) -> list[dict]:
-    """The attention-DP + EP8 model with MTP (one draft per sequence, module docstring): per (B,
-    context) measured both as a decode step and as a verify step of 2 query tokens per sequence.
-    A step = the 61 layers at the verify shape + the MTP layer (an MoE layer) at the decode shape;
-    it yields 1 + ``acceptance`` tokens per sequence. Pure arithmetic (tests/test_bench_realdims_model.py)."""
+                seqs_held, acceptance, num_draft: int = 1) -> list[dict]:
+    """The attention-DP + EP8 model with N = ``num_draft`` MTP drafts per sequence (module
+    docstring): per (B, context) measured both as a decode step and as a verify step of N + 1 query
+    tokens per sequence (``verify`` keyed (N + 1, B, context), its graph rows ("verify", N + 1, B,
+    context)). A step = the main model at the verify shape (61 layers + outside) + the MTP passes
+    (the first at the verify shape, N - 1 at the decode shape, each an MoE layer + outside); it
+    yields tokens_per_step(acceptance, N) tokens per sequence. Pure arithmetic
+    (tests/test_bench_realdims_model.py)."""
+    q = num_draft + 1
+    tau = tokens_per_step(acceptance, num_draft)
     rows = []
     for (b, ctx), (eager_kinds, _, _) in sorted(decode.items(), key=lambda kv: (kv[0][1], kv[0][0])):
-        if (b, ctx) not in verify:
+        if (q, b, ctx) not in verify:
             continue
-        per_kind, source = _per_kind(graph_rows, (b, ctx), eager_kinds)
-        v_kind, v_source = _per_kind(graph_rows, ("verify", b, ctx), verify[(b, ctx)][0])
+        per_kind, source, out_d = _per_kind(graph_rows, (b, ctx), eager_kinds)
+        v_kind, v_source, out_v = _per_kind(graph_rows, ("verify", q, b, ctx), verify[(q, b, ctx)][0])
         if "MoE" not in per_kind or "MoE" not in v_kind or any(
-                t not in experts_us for t in (b, WORLD * b, 2 * b, 2 * WORLD * b)):
+                t not in experts_us for t in (b, WORLD * b, q * b, q * WORLD * b)):
             continue
         held = seqs_held(ctx)
-        row = {"b": b, "ctx": ctx, "source": source if source == v_source else f"{v_source} / {source}",
-               "held": held}
+        row = {"b": b, "ctx": ctx, "drafts": num_draft, "held": held,
+               "source": source if source == v_source else f"{v_source} / {source}"}
         if b > held:
             rows.append(row)
             continue
-        ver, draft = dp_layers_us(v_kind, 2 * b, experts_us, cfg), dp_layers_us(per_kind, b, experts_us, cfg)
-        step = FULL_DENSE * ver["dense"] + (FULL_LAYERS - FULL_DENSE) * ver["moe_layer"] + draft["moe_layer"]
-        tokens = b * (1 + acceptance)
-        row.update(step_us=step, draft_us=draft["moe_layer"], tok_s_per_gpu=tokens / (step / 1e6),
-                   per_user=(1 + acceptance) * 1e6 / step,
-                   acceptance_for_1000=max(1000 * step / 1e6 / b - 1, 0.0))
+        ver, dec = dp_layers_us(v_kind, q * b, experts_us, cfg), dp_layers_us(per_kind, b, experts_us, cfg)
+        out_v, out_d = out_v or 0.0, out_d or 0.0
+        main = FULL_DENSE * ver["dense"] + (FULL_LAYERS - FULL_DENSE) * ver["moe_layer"] + out_v
+        draft = ver["moe_layer"] + out_v + (num_draft - 1) * (dec["moe_layer"] + out_d)
+        step = main + draft
+        row.update(step_us=step, draft_us=draft, tau=tau, tok_s_per_gpu=b * tau / (step / 1e6),
+                   per_user=tau * 1e6 / step, tau_for_1000=1000 * step / 1e6 / b)
         rows.append(row)
     return rows
 
 
 def model_8gpu_dp(decode: dict, graph_rows: dict, experts_us: dict[int, float], cfg: ModelConfig,
-                  verify: dict | None = None, acceptance: float = 0.85) -> None:
+                  verify: dict | None = None, acceptance=(0.85,), drafts=(1,)) -> None:
     from dsa_trt.plan import load_config, make_plan
 
     full = load_config(REAL_CONFIG)
@@ -135,7 +164,8 @@ def model_8gpu_dp(decode: dict, graph_rows: dict, experts_us: dict[int, float], 
           f"fits {plan.fits}): per GPU B sequences, its attention as measured at B, its 32 experts fed 1/8 of the "
           f"node's 8B tokens' pairs (experts alone, µs: "
           + ", ".join(f"T={t} {us:.1f}" for t, us in sorted(experts_us.items())) + "); dispatch + combine over "
-          "NVLink at 450 GB/s, not overlapped; embedding, final norm and lm_head not counted")
+          "NVLink at 450 GB/s, not overlapped; embedding, final norm and lm_head as measured 'outside the layers' "
+          "of the graph rows (eager rows: not counted)")
     print("| context | batch per GPU | layers from | step ms | of it comms ms | routed MoE per layer µs | "
           "output tok/s per GPU | per user tok/s |")
     print("|---|---:|---|---:|---:|---:|---:|---:|")
@@ -150,27 +180,31 @@ def model_8gpu_dp(decode: dict, graph_rows: dict, experts_us: dict[int, float], 
     if not verify:
         return
     mplan = make_plan(full, tp=1, ep=WORLD, gpu_memory_gb=141.0, include_mtp=True)
-    print(f"\nthe same model with MTP, one draft per sequence (plan.py tp=1 ep=8 with the MTP layer: "
+    rates = [acceptance] if isinstance(acceptance, (int, float)) else list(acceptance)
+    print(f"\nthe same model with MTP, N drafts per sequence (plan.py tp=1 ep=8 with the MTP layer: "
           f"{mplan.ranks[0].weight_bytes / 1e9:.1f} GB of weights and {mplan.tokens_per_group:,} cache tokens per GPU, "
-          f"fits {mplan.fits}): a step = the 61 layers measured as a verify step (2 query tokens per sequence, the "
-          f"experts alone at 2B and 16B tokens) + the MTP layer as a decode MoE layer at B; each step yields 1 + a "
-          f"tokens per sequence, a = {acceptance:.2f} the draft's acceptance assumed (not measured here: DeepSeek "
-          "reports 85-90% for V3.2's MTP, research/realsize_anchors.md §5); 'a for 1,000': the acceptance that "
-          "would give 1,000 output tok/s per GPU")
-    print("| context | batch per GPU | layers from | step ms | of it the MTP layer µs | output tok/s per GPU | "
-          "per user tok/s | a for 1,000 |")
-    print("|---|---:|---|---:|---:|---:|---:|---:|")
-    for r in mtp_dp_rows(decode, verify, graph_rows, experts_us, cfg, lambda ctx: mplan.tokens_per_group // ctx,
-                         acceptance):
-        if "step_us" not in r:
-            print(f"| {tokens_label(r['ctx'])} | {r['b']} | {r['source']} | does not fit: a GPU's cache holds "
-                  f"{r['held']} sequences of {tokens_label(r['ctx'])} | | | | |")
-            continue
-        need = r["acceptance_for_1000"]
-        need_s = "0 (met without drafts)" if need == 0 else f"{need:.2f}"
-        need_s += " (over 1: out of reach)" if need > 1 else ""
-        print(f"| {tokens_label(r['ctx'])} | {r['b']} | {r['source']} | {r['step_us'] / 1e3:.2f} | "
-              f"{r['draft_us']:.1f} | {r['tok_s_per_gpu']:,.0f} | {r['per_user']:.1f} | {need_s} |")
+          f"fits {mplan.fits}): a step = the main model measured as a verify step of N + 1 query tokens per sequence "
+          f"(61 layers + outside; experts alone at (N+1)B and 8(N+1)B tokens) + the MTP passes (the first at the "
+          f"verify shape, N - 1 at the decode shape, each an MoE layer + outside); it yields tau = 1 + a_1 + a_1 a_2 "
+          f"+ ... tokens per sequence, a_k the conditional acceptance of draft k assumed "
+          f"({', '.join(f'{x:.2f}' for x in rates)}, the last repeating; not measured here: DeepSeek reports 85-90% "
+          "for the first draft, research/realsize_anchors.md §5; the module docstring says where the later ones come "
+          "from); 'tau for 1,000': the tokens per step that would give 1,000 output tok/s per GPU")
+    print("| context | batch per GPU | drafts N | layers from | step ms | of it the MTP passes µs | tau | "
+          "output tok/s per GPU | per user tok/s | tau for 1,000 |")
+    print("|---|---:|---:|---|---:|---:|---:|---:|---:|---:|")
+    for n in drafts:
+        for r in mtp_dp_rows(decode, verify, graph_rows, experts_us, cfg, lambda ctx: mplan.tokens_per_group // ctx,
+                             rates, n):
+            if "step_us" not in r:
+                print(f"| {tokens_label(r['ctx'])} | {r['b']} | {n} | {r['source']} | does not fit: a GPU's cache "
+                      f"holds {r['held']} sequences of {tokens_label(r['ctx'])} | | | | | |")
+                continue
+            need = r["tau_for_1000"]
+            need_s = f"{need:.2f}" + (f" (over {n + 1}: out of reach)" if need > n + 1 else "")
+            print(f"| {tokens_label(r['ctx'])} | {r['b']} | {n} | {r['source']} | {r['step_us'] / 1e3:.2f} | "
+                  f"{r['draft_us']:.1f} | {r['tau']:.2f} | {r['tok_s_per_gpu']:,.0f} | {r['per_user']:.1f} | "
+                  f"{need_s} |")
 
 
 def model_8gpu(decode: dict, graph_rows: dict, cfg: ModelConfig) -> None:
