@@ -107,13 +107,16 @@ from bench_realdims import (  # noqa: E402
     RegionClock,
     capture_step,
     decode_step,
+    layer_hooks,
     layer_roofline,
     median_step_us,
+    patched_ops,
     prefill_step,
     profiled_replays,
     real_config,
     roofline_us,
     split_replays,
+    timed_op,
 )
 from realdims_model import NVLINK_BPS, REAL_CONFIG, tokens_label  # noqa: E402
 
@@ -222,30 +225,16 @@ def exchange_clock(net: DSAForCausalLM, clock: RegionClock, calls: list):
     """RegionClock cuts at the layer boundaries and around each dsa:: collective: (layer, "rest") is
     compute, (layer, EXCHANGE) the collectives. ``calls`` gets (op, bytes of its input, row bytes and
     row counts of an exchange) per collective call."""
-    handles, saved = [], {}
-    for i, layer in enumerate(net.model.layers):
-        handles.append(layer.register_forward_pre_hook(lambda m, a, i=i: clock.push(layer=i)))
-        handles.append(layer.register_forward_hook(lambda m, a, o: clock.pop(end_layer=True)))
-    for op in COLLECTIVES:
-        packet = saved[op] = getattr(torch.ops.dsa, op)
-
-        def timed(*a, _p=packet, _op=op):
-            clock.push(category=EXCHANGE)
-            out = _p(*a)
-            clock.pop()
+    def record(op):
+        def on_call(a):
             x = a[0]  # not kept: a prefill's exchange buffers are GBs
-            row = x.shape[-1] * x.element_size() if _op == "ep_all_to_all" else 0
-            calls.append((_op, x.numel() * x.element_size(), row, a[1] if _op == "ep_all_to_all" else None))
-            return out
+            row = x.shape[-1] * x.element_size() if op == "ep_all_to_all" else 0
+            calls.append((op, x.numel() * x.element_size(), row, a[1] if op == "ep_all_to_all" else None))
+        return on_call
 
-        setattr(torch.ops.dsa, op, timed)
-    try:
+    with layer_hooks(net, clock), \
+            patched_ops(COLLECTIVES, lambda op, packet: timed_op(clock, EXCHANGE, packet, record(op))):
         yield
-    finally:
-        for h in handles:
-            h.remove()
-        for op, packet in saved.items():
-            setattr(torch.ops.dsa, op, packet)
 
 
 def bytes_to_peers(calls: list, p: int) -> float:

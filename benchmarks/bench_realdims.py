@@ -193,53 +193,78 @@ class RegionClock:
 
 
 @contextmanager
+def patched_ops(ops, wrap):
+    """torch.ops.dsa.<op> replaced by ``wrap(op, packet)`` for each op inside the block, restored after."""
+    saved = {op: getattr(torch.ops.dsa, op) for op in ops}
+    for op, packet in saved.items():
+        setattr(torch.ops.dsa, op, wrap(op, packet))
+    try:
+        yield
+    finally:
+        for op, packet in saved.items():
+            setattr(torch.ops.dsa, op, packet)
+
+
+def timed_op(clock: RegionClock, category: str, packet, on_call=None):
+    """``packet`` inside a ``category`` region of ``clock``; ``on_call(args)`` after each call."""
+    def timed(*a, **k):
+        clock.push(category=category)
+        out = packet(*a, **k)
+        clock.pop()
+        if on_call is not None:
+            on_call(a)
+        return out
+    return timed
+
+
+@contextmanager
+def layer_hooks(net: DSAForCausalLM, clock: RegionClock):
+    """A ``clock`` region per decoder layer (removed after)."""
+    handles = []
+    for i, layer in enumerate(net.model.layers):
+        handles.append(layer.register_forward_pre_hook(lambda m, a, i=i: clock.push(layer=i)))
+        handles.append(layer.register_forward_hook(lambda m, a, o: clock.pop(end_layer=True)))
+    try:
+        yield handles
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@contextmanager
 def regions(net: DSAForCausalLM, clock: RegionClock, touched: list):
     """Hooks on the layers, the linears, the MoE, and the dsa ops of the DSA path (restored after)."""
-    handles, saved = [], {}
-
     def scoped(module, **kw):
         handles.append(module.register_forward_pre_hook(lambda m, a: clock.push(**kw)))
         handles.append(module.register_forward_hook(lambda m, a, o: clock.pop(end_layer="layer" in kw)))
 
-    for i, layer in enumerate(net.model.layers):
-        scoped(layer, layer=i)
-    for m in net.modules():
-        if isinstance(m, (Fp8Linear, torch.nn.Linear)):
-            scoped(m, category="linears")
-        elif isinstance(m, StackedExperts):
-            scoped(m, category="MoE")
-        elif isinstance(m, Router):
-            orig = m.select
+    def category(op):
+        return CATEGORIES[0] if op in INDEXER_OPS else CATEGORIES[1]
 
-            def select(x, _orig=orig):
-                clock.push(category="MoE")
-                idx, w = _orig(x)
-                touched.append(idx)  # counted after the forward: unique() here would sync the stream
-                clock.pop()
-                return idx, w
-
-            m.select = select
-    for op in INDEXER_OPS + MLA_OPS:
-        packet = getattr(torch.ops.dsa, op)
-        saved[op] = packet
-
-        def timed(*a, _p=packet, _c=CATEGORIES[0] if op in INDEXER_OPS else CATEGORIES[1], **k):
-            clock.push(category=_c)
-            out = _p(*a, **k)
-            clock.pop()
-            return out
-
-        setattr(torch.ops.dsa, op, timed)
-    try:
-        yield
-    finally:
-        for h in handles:
-            h.remove()
-        for op, packet in saved.items():
-            setattr(torch.ops.dsa, op, packet)
+    with layer_hooks(net, clock) as handles, \
+            patched_ops(INDEXER_OPS + MLA_OPS, lambda op, packet: timed_op(clock, category(op), packet)):
         for m in net.modules():
-            if isinstance(m, Router) and "select" in vars(m):
-                del m.select
+            if isinstance(m, (Fp8Linear, torch.nn.Linear)):
+                scoped(m, category="linears")
+            elif isinstance(m, StackedExperts):
+                scoped(m, category="MoE")
+            elif isinstance(m, Router):
+                orig = m.select
+
+                def select(x, _orig=orig):
+                    clock.push(category="MoE")
+                    idx, w = _orig(x)
+                    touched.append(idx)  # counted after the forward: unique() here would sync the stream
+                    clock.pop()
+                    return idx, w
+
+                m.select = select
+        try:
+            yield
+        finally:
+            for m in net.modules():
+                if isinstance(m, Router) and "select" in vars(m):
+                    del m.select
 
 
 class RangeTagger(RegionClock):
