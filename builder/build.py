@@ -39,8 +39,8 @@ from dsa_trt.tokenizer import Tokenizer
 
 from dsa_trt.weights_file import WeightsFileError, weights_file_name
 
-from .aoti import PackageLinkError, compile_package
-from .weights import PeakRSS, build_rank
+from .aoti import PackageLinkError
+from .weights import PeakRSS, build_draft_rank, build_rank
 
 DEFAULT_CALIB_TEXT = Path(__file__).resolve().parent.parent / "export" / "data" / "corpus.txt"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
@@ -117,7 +117,10 @@ def compile_draft_program(ckpt: Checkpoint, cfg: EngineConfig, out: Path, rank: 
                           dtype: torch.dtype, emit_onnx: bool, profile, plugin_lib,
                           expert_op: bool | None = None) -> None:
     """The MTP layer of rank ``rank`` -> its draft program ``rank<r>.mtp.*`` (export/mtp.py), with
-    the engine's weight format.
+    the engine's weight format: AOTInductor streamed like the main program, its weights in
+    rank<r>.mtp.weights.safetensors but for the embedding and head it shares with the main program
+    (builder/weights.py build_draft_rank); the ONNX / TensorRT graph with its weights inside.
+    Returns the AOTInductor build's numbers ({} without one).
 
     Its MLA cache scale is the largest main-layer scale: the layer is not calibrated on its own. A
     scale only changes draft quality, never the output (speculative decoding verifies every token)."""
@@ -125,22 +128,21 @@ def compile_draft_program(ckpt: Checkpoint, cfg: EngineConfig, out: Path, rank: 
 
     kv_scale = max(cfg.kv_scales)
     options = {"expert_op": expert_op, "weight_format": cfg.weight_format}
-    net = build_mtp_network(ckpt, cfg.cache_mode, dtype, kv_scale, device=device, tp_rank=rank, tp_size=cfg.tp_size,
-                            progress=_bar(f"load MTP rank {rank}", unit="tensor"), **options)
-    ep = export_mtp_program(net, max_num_tokens=cfg.max_num_tokens, device=device)
-    onnx_ep = ep
-    if emit_onnx and dtype != torch.bfloat16:
+    name, stats = cfg.draft_file(rank), {}
+    if cfg.compiler == "aoti":
+        try:
+            stats = build_draft_rank(ckpt, out, rank, name, cache_mode=cfg.cache_mode, dtype=dtype,
+                                     kv_scale=kv_scale, device=device, tp_size=cfg.tp_size,
+                                     max_num_tokens=cfg.max_num_tokens,
+                                     progress=_bar(f"MTP weights rank {rank}", unit="tensor"), **options)
+        except (PackageLinkError, WeightsFileError) as e:
+            raise BuildError(str(e)) from e
+    if cfg.compiler == "tensorrt" or emit_onnx:  # the ONNX is always the TensorRT graph: bf16, weights inside
         onnx_ep = export_mtp_program(build_mtp_network(ckpt, cfg.cache_mode, torch.bfloat16, kv_scale, device=device,
                                                        tp_rank=rank, tp_size=cfg.tp_size, **options),
                                      max_num_tokens=cfg.max_num_tokens, device=device)
-    name = cfg.draft_file(rank)
-    if cfg.compiler == "tensorrt" or emit_onnx:
         compile_onnx_program(onnx_ep, out, name, cfg.compiler, profile, plugin_lib)
-    if cfg.compiler == "aoti":  # the draft program keeps its (one layer's) weights inside its package
-        try:
-            compile_package(ep, out / name)
-        except PackageLinkError as e:
-            raise BuildError(str(e)) from e
+    return stats
 
 
 def build_engine(checkpoint: str | Path, out: str | Path, tp: int = 1, cache_mode: str = "fp8",
@@ -264,8 +266,8 @@ def build_engine(checkpoint: str | Path, out: str | Path, tp: int = 1, cache_mod
         rank_stats.append(stats)
         _log(f"rank {rank}: peak RSS {rss.peak / 2**30:.2f} GiB (from {rss.start / 2**30:.2f} GiB)", t0)
         if mtp_layers:
-            compile_draft_program(ckpt, cfg_out, out, rank, device, torch_dtype, emit_onnx, profile, plugin_lib,
-                                  expert_op)
+            stats["draft"] = compile_draft_program(ckpt, cfg_out, out, rank, device, torch_dtype, emit_onnx, profile,
+                                                   plugin_lib, expert_op)
     for f in TOKENIZER_FILES:
         src = Path(checkpoint) / f
         if src.is_file():
@@ -342,7 +344,12 @@ def build_summary(out: Path, cfg: EngineConfig, rank_stats: list[dict] | None = 
         lines.append(line)
         if cfg.mtp_layers:
             d = cfg.draft_file(rank)
-            lines.append(f"  rank {rank:<6} {d} {(out / d).stat().st_size / 2**20:.1f} MiB (MTP draft)")
+            line = f"  rank {rank:<6} {d} {(out / d).stat().st_size / 2**20:.1f} MiB"
+            if (w := cfg.draft_weights_file(rank)) is not None:
+                line += f" + {w} {(out / w).stat().st_size / 2**20:.1f} MiB"
+            shared = (rank_stats[rank].get("draft") or {}).get("shared") if rank_stats else None
+            line += " (MTP draft" + (f"; {', '.join(shared)} shared with the main program" if shared else "") + ")"
+            lines.append(line)
     lines += weights_summary(cfg, dequantised)
     lines.append(f"  cache       {bpt:,} B/token on every rank ({cfg.model.num_hidden_layers} layers x "
                  f"{bpt // cfg.model.num_hidden_layers} B: MLA latent + indexer key, replicated across ranks)")

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from dsa_trt.checkpoint_layout import mtp_shared_copies
 from dsa_trt.export.checkpoint import Checkpoint
 from dsa_trt.export.network import DSAForCausalLM
 from dsa_trt.export.parallel import ParallelConfig, ParallelDSAForCausalLM, export_parallel_program
@@ -108,7 +109,6 @@ def build_rank(ckpt: Checkpoint, out: Path, rank: int, package_name: str, *, cac
     ``parallel``: rank ``parallel.rank`` of an expert / context-parallel group (export/parallel.py;
     ``tp_size`` 1). It streams like a TP rank: its skeleton holds only its own routed experts, so
     the stream reads and writes only those, and every other tensor whole."""
-    t0 = time.perf_counter()
     tp_rank, export, cls = rank, export_program, DSAForCausalLM
     if parallel is not None:
         if parallel.rank != rank or tp_size != 1:
@@ -117,8 +117,51 @@ def build_rank(ckpt: Checkpoint, out: Path, rank: int, package_name: str, *, cac
         cls = functools.partial(ParallelDSAForCausalLM, parallel=parallel)
     net = network_skeleton(ckpt, cache_mode, dtype, tp_rank, tp_size, expert_op, weight_format, network_cls=cls)
     net.return_hidden = return_hidden  # the MTP draft program's input (export/mtp.py)
-    specs = network_specs(net)
-    wpath = out / weights_file_name(rank)
+    return _stream_and_compile(ckpt, net, out / weights_file_name(rank), out / package_name, tp_rank, tp_size,
+                               lambda n: n.set_kv_scales(kv_scales),
+                               lambda n: export(n, max_num_tokens=max_num_tokens, device=device), device, progress)
+
+
+def build_draft_rank(ckpt: Checkpoint, out: Path, rank: int, package_name: str, *, cache_mode: str,
+                     dtype: torch.dtype, kv_scale: float, device: str, tp_size: int, max_num_tokens: int,
+                     expert_op: bool | None = None, weight_format: str = "auto",
+                     progress: Progress | None = None) -> dict:
+    """The MTP draft program of rank ``rank`` as build_rank builds the main one: its weights streamed
+    into ``out/rank<r>.mtp.weights.safetensors``, ``out/<package_name>`` without constants. The MTP
+    layer's embedding and head are the checkpoint's copies of the main ones (spec §5): when they are
+    equal to the main tensors they are not written again, and the runtime hands the draft program
+    the main program's (rank<r>.weights.safetensors, written first). Returns build_rank's numbers
+    and ``shared`` (the draft's tensor names taken from the main program's weights)."""
+    from dsa_trt.export.mtp import MTPDraft, export_mtp_program
+
+    with torch.device("meta"):
+        net = MTPDraft(ckpt.config, cache_mode, dtype, rank, tp_size, expert_op, weight_format)
+    main = map_weights(out / weights_file_name(rank))
+    skeleton, shared = net.state_dict(), {}
+    for name, main_name in mtp_shared_copies(ckpt.config).items():
+        mine, theirs = skeleton.get(name), main.tensors.get(main_name)
+        if mine is None or theirs is None or (mine.dtype, mine.shape) != (theirs.dtype, theirs.shape):
+            continue
+        if torch.equal(ckpt.raw(name), ckpt.raw(main_name)):  # the stored copies, bit for bit
+            shared[name] = theirs
+        ckpt.close()  # two stored tensors at a time in memory at most
+    stats = _stream_and_compile(ckpt, net, out / weights_file_name(rank, draft=True), out / package_name, rank,
+                                tp_size, lambda n: n.set_kv_scale(kv_scale),
+                                lambda n: export_mtp_program(n, max_num_tokens=max_num_tokens, device=device),
+                                device, progress, shared)
+    return {**stats, "shared": sorted(shared)}
+
+
+def _stream_and_compile(ckpt: Checkpoint, net: torch.nn.Module, wpath: Path, package: Path, tp_rank: int,
+                        tp_size: int, set_scales, export, device: str, progress: Progress | None,
+                        shared: dict[str, torch.Tensor] | None = None) -> dict:
+    """The stream of build_rank for a skeleton ``net``: its checkpoint tensors (rank ``tp_rank``'s
+    slices) and derived buffers into ``wpath`` a tensor at a time, then ``net`` on views of that
+    file's mapping (and on ``shared``: tensors of another file, not written here), ``set_scales(net)``,
+    ``export(net)``, AOTInductor without constants at ``package``, checked against the file."""
+    t0 = time.perf_counter()
+    shared = shared or {}
+    specs = {n: s for n, s in network_specs(net).items() if n not in shared}
     derived = derived_buffers(net)
     with WeightsWriter(wpath, specs) as writer:
         group = None
@@ -126,31 +169,32 @@ def build_rank(ckpt: Checkpoint, out: Path, rank: int, package_name: str, *, cac
             if group is not None and _group(name) != group:
                 ckpt.close()  # unmap the shards: their pages would stay resident for the whole build
             group = _group(name)
-            writer.put(name, t)
+            if name not in shared:
+                writer.put(name, t)
             del t
         ckpt.close()
         for name, t in derived.items():
             writer.put(name, t)
     t_write = time.perf_counter() - t0
     mapped = map_weights(wpath)
-    tensors = mapped.tensors
+    tensors = {**mapped.tensors, **shared}
     if device != "cpu":  # the export traces on the target device: one H2D copy per tensor
         tensors = {n: t.to(device) for n, t in tensors.items()}
     net.load_state_dict({n: tensors[n] for n in net.state_dict()}, strict=True, assign=True)
     for name in derived:
         set_tensor(net, name, tensors[name])
     _buffers_as_parameters(net)
-    net.set_kv_scales(kv_scales)
+    set_scales(net)
     net.eval()
-    ep = export(net, max_num_tokens=max_num_tokens, device=device)
+    ep = export(net)
     t_export = time.perf_counter() - t0 - t_write
-    compile_package(ep, out / package_name, external_weights=True)
+    compile_package(ep, package, external_weights=True)
     del ep, net
-    table = constant_table(out / package_name)
+    table = constant_table(package)
     try:
-        check_against_table(wpath, mapped.tensors, table)
+        check_against_table(wpath, {**mapped.tensors, **shared}, table)
     except WeightsFileError as e:  # the export lifted a tensor the network does not hold, or Inductor changed one
         raise WeightsFileError(f"the compiled program does not take the weights written for it: {e}") from None
-    return {"weights_bytes": wpath.stat().st_size, "constants": len(table), "tensors": len(specs),
+    return {"weights_bytes": wpath.stat().st_size, "constants": len(table), "tensors": len(specs) + len(shared),
             "largest_layer_bytes": largest_layer_bytes(specs), "write_s": t_write, "export_s": t_export,
             "compile_s": time.perf_counter() - t0 - t_write - t_export}

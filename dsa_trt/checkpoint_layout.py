@@ -39,6 +39,18 @@ def is_mtp_tensor(cfg: ModelConfig, name: str) -> bool:
     return int(parts[2]) >= cfg.num_hidden_layers
 
 
+def mtp_shared_copies(cfg: ModelConfig) -> dict[str, str]:
+    """{MTP layer's tensor: the main model's tensor it copies}: each MTP layer stores the main
+    embedding and lm_head again (spec §5: shared in the DeepSeek-V3 design). An engine holds them
+    once when the copies are equal (builder/weights.py build_draft_rank)."""
+    head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+    out = {}
+    for layer in range(cfg.num_hidden_layers, cfg.num_hidden_layers + cfg.num_nextn_predict_layers):
+        out[f"model.layers.{layer}.embed_tokens.weight"] = "model.embed_tokens.weight"
+        out[f"model.layers.{layer}.shared_head.head.weight"] = head
+    return out
+
+
 # ---------------------------------------------------------------------------------- the layout
 def expected_tensors(cfg: ModelConfig) -> dict[str, TensorSpec]:
     """Every tensor a checkpoint for ``cfg`` holds (the release's layout), MTP layers included.

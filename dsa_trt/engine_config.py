@@ -25,7 +25,7 @@ from dsa_trt.cache_layout import CACHE_MODES, PAGE_SIZE
 from dsa_trt.config import ModelConfig
 from dsa_trt.weights_file import weights_file_name
 
-ENGINE_FORMAT_VERSION = 1
+ENGINE_FORMAT_VERSION = 2  # 2: the MTP draft program's weights outside it (rank<N>.mtp.weights.safetensors)
 ENGINE_CONFIG_NAME = "engine_config.json"
 COMPILERS = {"aoti": "pt2", "tensorrt": "plan", "eager": "safetensors"}
 DTYPES = ("bfloat16", "float32")
@@ -61,7 +61,9 @@ class EngineConfig:
     quant_recipe: str | None = None  # e.g. "fp8-kv-per-layer"
     tokenizer: str = "tokenizer.json"
     plugin_library: str | None = None  # TensorRT plugin library file name (tensorrt only)
-    weights: str | None = None  # "safetensors": rank<N>.weights.safetensors; None: inside the program (older engines)
+    # "safetensors": rank<N>.weights.safetensors (and the draft's rank<N>.mtp.weights.safetensors); None: inside
+    # the programs (TensorRT plans)
+    weights: str | None = None
     weight_format: str = "dequant"  # WEIGHT_FORMATS; engines written before the field were all "dequant"
     # MTP layers compiled as the draft program rank<N>.mtp.<ext> (speculative decoding); the main
     # programs then also return the ``hidden`` output (dsa_trt/step.py). 0: no draft program.
@@ -129,10 +131,16 @@ class EngineConfig:
         """The MTP draft program of rank ``rank`` (present when mtp_layers > 0)."""
         return f"rank{rank}.mtp.{COMPILERS[self.compiler]}"
 
+    def draft_weights_file(self, rank: int) -> str | None:
+        """The file of the draft program's weights (those it does not share with the main program),
+        or None when there is no draft program or its weights are inside it."""
+        return weights_file_name(rank, draft=True) if self.weights == "safetensors" and self.mtp_layers else None
+
     def rank_files(self, rank: int) -> list[str]:
-        """Every file rank ``rank`` loads: its program, its weights when apart, its draft program."""
-        return ([self.rank_file(rank)] + ([w] if (w := self.rank_weights_file(rank)) else [])
-                + ([self.draft_file(rank)] if self.mtp_layers else []))
+        """Every file rank ``rank`` loads: its program, its weights when apart, its draft program
+        and the draft's weights when apart."""
+        return [f for f in (self.rank_file(rank), self.rank_weights_file(rank),
+                            self.draft_file(rank) if self.mtp_layers else None, self.draft_weights_file(rank)) if f]
 
     # I/O
     def save(self, engine_dir: str | Path) -> Path:

@@ -20,14 +20,18 @@ The layout (issue 25; export/sharding.py is today's TP-only network):
   expert-parallel rank ``r % ep``); the router is replicated.
 * Embedding and lm_head: replicated (what the network does today) or, with ``vocab_split``,
   rows split over the tp ranks of a group (an all-gather of the logits then).
-* Weights as the checkpoint stores them (``weights="stored"``): fp8 e4m3 Linears with their fp32
-  128x128 block scales, bf16 embeddings / router / ``weights_proj``, fp32 norms; a bf16 checkpoint
-  stays bf16. ``weights="bf16"`` counts every fp8 Linear dequantised to bf16, as the network of
-  before issue 24 held them. A split fp8 weight must be split on a 128-block boundary, so that
+* Weights as the engine holds them (``weights="stored"``): the checkpoint's fp8 e4m3 Linears with
+  their fp32 128x128 block scales, bf16 embeddings / router / ``weights_proj``, fp32 norms, except
+  ``kv_b_proj``, which the engine keeps dequantised to bf16 without its scale (the absorbed decode
+  reads it as W_uk / W_uv: export/network.py); a bf16 checkpoint stays bf16. ``weights="bf16"``
+  counts every fp8 Linear dequantised to bf16, as the network of before issue 24 held them. A split fp8 weight must be split on a 128-block boundary, so that
   each rank's slice keeps whole blocks and its own rows of the scale.
 * The MTP layer (``model.layers.{num_hidden_layers}``) only with ``include_mtp``: one more decoder
-  layer, its cache, and its norms and eh_proj; it shares the main embedding and lm_head, so the
-  copies the checkpoint stores are not counted.
+  layer, its cache, and its norms and eh_proj; it shares the main embedding and lm_head (the engine
+  holds them once: builder/weights.py build_draft_rank), so the copies the checkpoint stores are
+  not counted.
+* Derived buffers (part "derived"): the indexer's Hadamard rotation per layer and RoPE's inverse
+  frequencies, which the engine's weights files hold beside the checkpoint's tensors.
 
 Memory per rank = weights + ``reserve`` (activations of a ``max_num_tokens`` step, the compiled
 programs' workspace, CUDA graphs, the NCCL buffers, the allocator's slack) + the cache pool. The
@@ -73,8 +77,8 @@ _RULES: tuple[tuple[str, str, str | None], ...] = (
     (r"\.(enorm|hnorm|eh_proj|shared_head\.norm)\.", "mtp", None),
 )
 _COMPILED = tuple((re.compile(p), part, split) for p, part, split in _RULES)
-_MTP_SHARED_COPIES = re.compile(r"\.(embed_tokens|shared_head\.head)\.")  # = the main embed / lm_head
 _EXPERT = re.compile(r"\.mlp\.experts\.(\d+)\.")
+_ENGINE_BF16 = re.compile(r"\.self_attn\.kv_b_proj\.")  # dequantised in every engine (module docstring)
 
 
 class PlanError(ConfigError):
@@ -168,23 +172,24 @@ def check_layout(cfg: ModelConfig, tp: int, ep: int, weights: str = "stored", vo
 
 @functools.lru_cache(maxsize=16)
 def _weight_totals(cfg: ModelConfig, include_mtp: bool, weights: str) -> tuple[dict, dict]:
-    """Bytes an engine may hold, summed from the checkpoint layout (``expected_tensors``):
+    """Bytes an engine holds, summed from the checkpoint layout (``expected_tensors``):
     ({(part, split): bytes} of everything but the routed experts, {expert id: bytes over all layers})."""
     import torch
 
-    from dsa_trt.checkpoint_layout import FP8, SCALE_SUFFIX, expected_tensors, is_mtp_tensor
+    from dsa_trt.checkpoint_layout import FP8, SCALE_SUFFIX, expected_tensors, is_mtp_tensor, mtp_shared_copies
 
+    shared = mtp_shared_copies(cfg)
     fixed: dict[tuple[str, str | None], int] = {}
     experts: dict[int, int] = {}
     for name, spec in expected_tensors(cfg).items():
-        if is_mtp_tensor(cfg, name) and (not include_mtp or _MTP_SHARED_COPIES.search(name)):
+        if is_mtp_tensor(cfg, name) and (not include_mtp or name in shared):
             continue
         base = name.removesuffix(SCALE_SUFFIX)
         part, split = next(((p, s) for pattern, p, s in _COMPILED if pattern.search(base)), (None, None))
         if part is None:
             raise PlanError(f"{name}: no rule of dsa_trt/plan.py says how ranks hold it; add one to _RULES")
         dtype = spec.dtypes[0]
-        if weights == "bf16":
+        if weights == "bf16" or _ENGINE_BF16.search(base):
             if name.endswith(SCALE_SUFFIX):
                 continue  # dequantised: the scale is folded into the bf16 weight
             if dtype == FP8:
@@ -195,7 +200,17 @@ def _weight_totals(cfg: ModelConfig, include_mtp: bool, weights: str) -> tuple[d
             experts[e] = experts.get(e, 0) + nbytes
         else:
             fixed[part, split] = fixed.get((part, split), 0) + nbytes
+    fixed["derived", None] = derived_bytes(cfg, include_mtp)
     return fixed, experts
+
+
+def derived_bytes(cfg: ModelConfig, include_mtp: bool) -> int:
+    """The buffers an engine computes from the config (export/program.py derived_buffers): per
+    decoder layer the indexer's rotation, fp32 and its exact signs in bf16 (export/layers.py
+    hadamard_buffers), and RoPE's fp32 inverse frequencies once per program."""
+    layers = cfg.num_hidden_layers + (min(1, cfg.num_nextn_predict_layers) if include_mtp else 0)
+    programs = 2 if include_mtp and cfg.num_nextn_predict_layers else 1
+    return layers * cfg.index_head_dim ** 2 * (4 + 2) + programs * cfg.qk_rope_head_dim // 2 * 4
 
 
 def _rank_bytes(cfg: ModelConfig, fixed: dict, experts: dict, tp: int, ep: int, ep_rank: int,

@@ -61,8 +61,9 @@ class ConstantSpec(NamedTuple):
         return f"{str(self.dtype).removeprefix('torch.')}{list(self.shape)}"
 
 
-def weights_file_name(rank: int) -> str:
-    return f"rank{rank}{WEIGHTS_SUFFIX}"
+def weights_file_name(rank: int, draft: bool = False) -> str:
+    """rank<N>.weights.safetensors, or the MTP draft program's rank<N>.mtp.weights.safetensors."""
+    return f"rank{rank}{'.mtp' if draft else ''}{WEIGHTS_SUFFIX}"
 
 
 def is_contiguous(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:

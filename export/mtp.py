@@ -30,9 +30,9 @@ from dsa_trt.plugins.pools import allocate_pools
 from dsa_trt.step import dynamic_shapes, export_dims
 
 from .checkpoint import Checkpoint
-from .layers import RMSNorm, fp32_linear, hadamard_buffers, linear, resolve_weight_format, rope_cos_sin
+from .layers import RMSNorm, fp32_linear, linear, resolve_weight_format, rope_cos_sin
 from .network import CACHE_MODES, DecoderLayer, check_dequantised
-from .program import Progress, checkpoint_tensors, example_step
+from .program import Progress, checkpoint_tensors, derived_buffers, example_step, set_tensor
 from .sharding import check_tp
 
 MTP_POOL_LAYERS = 1  # the draft program's pool lists hold one layer
@@ -88,6 +88,9 @@ class MTPDraft(nn.Module):
     def block(self) -> MTPBlock:
         return self.model.layers[str(self.cfg.num_hidden_layers)]
 
+    def set_kv_scale(self, kv_scale: float) -> None:
+        self.block.self_attn.kv_scale = float(kv_scale)
+
     def forward(self, input_ids, positions, req_idx, page_table, slot_mapping, logits_indices, hidden_states,
                 mla_pools: list[torch.Tensor], index_pools: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         b = self.block
@@ -121,10 +124,9 @@ def build_mtp_network(ckpt: Checkpoint, cache_mode: str, dtype: torch.dtype, kv_
         net = MTPDraft(cfg, cache_mode, dtype, tp_rank, tp_size, expert_op, weight_format)
     state = {name: t.to(device) for name, t in checkpoint_tensors(ckpt, net, tp_rank, tp_size, progress)}
     net.load_state_dict(state, strict=True, assign=True)
-    net.inv_freq = cfg.rope_inv_freq().to(device)
-    for name, t in hadamard_buffers(cfg.index_head_dim).items():
-        setattr(net.block.self_attn.indexer, name, t.to(device))
-    net.block.self_attn.kv_scale = float(kv_scale)
+    for name, t in derived_buffers(net).items():
+        set_tensor(net, name, t.to(device))
+    net.set_kv_scale(kv_scale)
     return net.eval()
 
 

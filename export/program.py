@@ -67,10 +67,11 @@ def network_skeleton(ckpt: Checkpoint, cache_mode: str, dtype: torch.dtype, tp_r
                            expert_op=expert_op, weight_format=weight_format)
 
 
-def derived_buffers(net: DSAForCausalLM) -> dict[str, torch.Tensor]:
-    """The non-persistent buffers (computed from the config, not stored in the checkpoint), on the CPU."""
+def derived_buffers(net: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The non-persistent buffers (computed from the config, not stored in the checkpoint), on the
+    CPU: of a DSAForCausalLM or an MTP draft network (export/mtp.py; its one layer keyed by its index)."""
     out = {"inv_freq": net.cfg.rope_inv_freq()}
-    for i, _ in enumerate(net.model.layers):
+    for i, _ in net.model.layers.named_children():
         for name, t in hadamard_buffers(net.cfg.index_head_dim).items():
             out[f"model.layers.{i}.self_attn.indexer.{name}"] = t
     return out

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 import dsa_trt.plugins.collectives  # noqa: F401  (dsa::all_reduce, called by tensor-parallel programs)
 import dsa_trt.plugins.ops  # noqa: F401  (registers torch.ops.dsa.* before any program loads)
+from dsa_trt.checkpoint_layout import mtp_shared_copies
 from dsa_trt.engine_config import EngineConfig, EngineDirError, verify_engine_files
 from dsa_trt.package_check import PackageLinkError, check_package
 from dsa_trt.weights_file import WeightsFileError, check_against_table, constant_table, map_weights
@@ -75,6 +76,12 @@ class Engine:
             programs = [_load_aoti(engine_dir / name, dev) for name in names]
             if (weights := cfg.rank_weights_file(rank)) is not None:  # the main program's, outside it
                 programs[0] = _with_weights(programs[0], engine_dir / cfg.rank_file(rank), engine_dir / weights, dev)
+            if len(programs) > 1 and (weights := cfg.draft_weights_file(rank)) is not None:
+                # the draft's own weights, and the embedding and head it shares with the main program
+                shared = {name: programs[0].weights[main] for name, main in mtp_shared_copies(cfg.model).items()
+                          if main in programs[0].weights}
+                programs[1] = _with_weights(programs[1], engine_dir / cfg.draft_file(rank), engine_dir / weights, dev,
+                                            shared)
         elif cfg.compiler == "tensorrt":
             from .tensorrt_engine import load_plan  # thin adapter; needs `import tensorrt`
 
@@ -144,21 +151,26 @@ class AotiProgram:
         return self.program(*args)
 
 
-def _with_weights(program, package: Path, weights_path: Path, device: torch.device) -> AotiProgram:
+def _with_weights(program, package: Path, weights_path: Path, device: torch.device,
+                  shared: dict[str, torch.Tensor] | None = None) -> AotiProgram:
     """Map ``weights_path``, check it against the package's constant table, hand it to the program.
+    ``shared``: constants of another program already loaded on ``device`` (the MTP draft's
+    embedding and head are the main program's), taken for the names the file does not hold.
 
     CPU: the tensors are views of a private mapping of the file (no copy; pages are read on first
     use). CUDA: one host-to-device copy per tensor, then the mapping is dropped."""
     try:
         table = constant_table(package)
         mapped = map_weights(weights_path)
-        check_against_table(weights_path, mapped.tensors, table, program.get_constant_fqns())
+        shared = {n: t for n, t in (shared or {}).items() if n in table and n not in mapped.tensors}
+        check_against_table(weights_path, {**mapped.tensors, **shared}, table, program.get_constant_fqns())
     except WeightsFileError as e:
         raise EngineDirError(str(e)) from None
-    tensors, mapping = {n: mapped.tensors[n] for n in table}, mapped.mapping
+    tensors, mapping = {n: mapped.tensors[n] for n in table if n not in shared}, mapped.mapping
     if device.type != "cpu":
         tensors = {n: t.to(device) for n, t in tensors.items()}
         mapping = None
+    tensors.update(shared)
     program.load_constants(tensors, check_full_update=True, user_managed=True)
     return AotiProgram(program, tensors, mapping)
 

@@ -43,12 +43,13 @@ def closed_form_rank_bytes(c: ModelConfig, tp: int, ep: int) -> int:
     attention = (
         fp8_linear(c.q_lora_rank, d) + fp8_linear(h * c.qk_head_dim, c.q_lora_rank)
         + fp8_linear(c.kv_lora_rank + c.qk_rope_head_dim, d)
-        + fp8_linear(h * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank)
+        + h * (c.qk_nope_head_dim + c.v_head_dim) * c.kv_lora_rank * BF16_BYTES  # kv_b: dequantised in the engine
         + fp8_linear(d, h * c.v_head_dim)
         + (2 * d + c.q_lora_rank + c.kv_lora_rank) * FP32_BYTES  # the four norms of the layer
     )
     indexer = (fp8_linear(c.index_n_heads * c.index_head_dim, c.q_lora_rank) + fp8_linear(c.index_head_dim, d)
-               + 2 * c.index_head_dim * FP32_BYTES + c.index_n_heads * d * BF16_BYTES)
+               + 2 * c.index_head_dim * FP32_BYTES + c.index_n_heads * d * BF16_BYTES
+               + c.index_head_dim ** 2 * (FP32_BYTES + BF16_BYTES))  # + the derived Hadamard rotation and signs
 
     def swiglu(width: int) -> int:
         return 2 * fp8_linear(width, d) + fp8_linear(d, width)
@@ -59,7 +60,8 @@ def closed_form_rank_bytes(c: ModelConfig, tp: int, ep: int) -> int:
            + c.n_routed_experts * d * BF16_BYTES + c.n_routed_experts * FP32_BYTES)  # router + bias
     n_dense = c.first_k_dense_replace
     layers = c.num_hidden_layers * (attention + indexer) + n_dense * dense + (c.num_hidden_layers - n_dense) * moe
-    return layers + 2 * c.vocab_size * d * BF16_BYTES + d * FP32_BYTES  # embed, lm_head (replicated), final norm
+    # embed, lm_head (replicated), final norm, RoPE's inverse frequencies
+    return layers + 2 * c.vocab_size * d * BF16_BYTES + d * FP32_BYTES + c.qk_rope_head_dim // 2 * FP32_BYTES
 
 
 # ------------------------------------------------------------------------- the real model
@@ -111,14 +113,18 @@ def test_mtp_layer_adds_a_cache_layer(real: ModelConfig) -> None:
     assert mtp.ranks[0].cache_bytes_per_token == base.ranks[0].cache_bytes_per_token // 61 * 62
     extra = mtp.ranks[0].weight_bytes - base.ranks[0].weight_bytes
     d = real.hidden_size
-    # one MoE decoder layer + enorm/hnorm/shared_head.norm + bf16 eh_proj; embed/head are shared
+    # one MoE decoder layer + enorm/hnorm/shared_head.norm + bf16 eh_proj + the draft program's RoPE
+    # frequencies; embed/head are shared
     moe_layer = closed_form_rank_bytes(real, 8, 8) - closed_form_rank_bytes(
         ModelConfig.from_dict({**real.to_dict(), "num_hidden_layers": 60}), 8, 8)
-    assert extra == moe_layer + 3 * d * FP32_BYTES + d * 2 * d * BF16_BYTES
+    assert extra == moe_layer + 3 * d * FP32_BYTES + d * 2 * d * BF16_BYTES + real.qk_rope_head_dim // 2 * FP32_BYTES
 
 
 # ----------------------------------------------------------------------- against files
 def test_tp1_bytes_equal_the_stored_checkpoint(tiny_ckpt: Path) -> None:
+    """The checkpoint's bytes as the engine holds them: kv_b dequantised to bf16 without its scale,
+    the MTP layer's copies of the embedding and head not again, plus the derived buffers (the
+    engine's own files: tests/test_w8a8.py test_plan_bytes_equal_the_engine_files)."""
     stored = {"main": 0, "mtp": 0}
     cfg = ModelConfig.from_json(tiny_ckpt)
     for shard in tiny_ckpt.glob("*.safetensors"):
@@ -126,13 +132,17 @@ def test_tp1_bytes_equal_the_stored_checkpoint(tiny_ckpt: Path) -> None:
             for name in f.keys():
                 t = f.get_slice(name)
                 nbytes = math.prod(t.get_shape()) * {"F8_E4M3": 1, "BF16": 2, "F32": 4}[t.get_dtype()]
+                if ".kv_b_proj." in name:
+                    nbytes = 0 if name.endswith("_scale_inv") else math.prod(t.get_shape()) * BF16_BYTES
                 layer = name.split(".")[2] if name.startswith("model.layers.") else ""
                 mtp = layer.isdigit() and int(layer) >= cfg.num_hidden_layers
                 shared_copy = mtp and (".embed_tokens." in name or ".shared_head.head." in name)
                 if not shared_copy:
                     stored["mtp" if mtp else "main"] += nbytes
-    assert make_plan(cfg, 1, 1, 1.0).ranks[0].weight_bytes == stored["main"]
-    assert make_plan(cfg, 1, 1, 1.0, include_mtp=True).ranks[0].weight_bytes == stored["main"] + stored["mtp"]
+    rotation, freqs = cfg.index_head_dim ** 2 * (FP32_BYTES + BF16_BYTES), cfg.qk_rope_head_dim // 2 * FP32_BYTES
+    main = stored["main"] + cfg.num_hidden_layers * rotation + freqs
+    assert make_plan(cfg, 1, 1, 1.0).ranks[0].weight_bytes == main
+    assert make_plan(cfg, 1, 1, 1.0, include_mtp=True).ranks[0].weight_bytes == main + stored["mtp"] + rotation + freqs
 
 
 # ------------------------------------------------------------------------------ errors

@@ -256,6 +256,47 @@ def test_builder_default_keeps_fp8_at_bf16(bf16_engine, trained):
     assert totals["same"] >= totals["steps"] * 7 // 8
 
 
+def test_plan_bytes_equal_the_engine_files(bf16_engine):
+    """`dsa-trt plan` counts what the engine holds: the tensors of rank 0's weights file and of its
+    MTP draft's, byte for byte (kv_b in bf16, the derived buffers, the draft's embedding and head
+    held once)."""
+    import math
+
+    from dsa_trt.engine_config import EngineConfig
+    from dsa_trt.plan import make_plan
+
+    out, log = bf16_engine
+    cfg = EngineConfig.load(out)
+    held = 0
+    for name in (cfg.rank_weights_file(0), cfg.draft_weights_file(0)):
+        with safe_open(str(out / name), framework="pt") as f:
+            for t in map(f.get_slice, f.keys()):
+                held += math.prod(t.get_shape()) * {"F8_E4M3": 1, "BF16": 2, "F32": 4}[t.get_dtype()]
+    assert make_plan(cfg.model, 1, 1, 1.0, include_mtp=True).ranks[0].weight_bytes == held
+
+
+def test_draft_weights_outside_its_program(bf16_engine):
+    """The MTP draft program holds no weights: its file has every constant of its table but the
+    embedding and head, which it takes from the main program's (the same tensors once loaded)."""
+    from dsa_trt.checkpoint_layout import mtp_shared_copies
+    from dsa_trt.engine_config import EngineConfig
+    from dsa_trt.runtime.engine import Engine
+    from dsa_trt.weights_file import constant_table
+
+    out, log = bf16_engine
+    cfg = EngineConfig.load(out)
+    shared = mtp_shared_copies(cfg.model)
+    table = constant_table(out / cfg.draft_file(0))
+    with safe_open(str(out / cfg.draft_weights_file(0)), framework="pt") as f:
+        in_file = set(f.keys())
+    # (the file may hold more: the CPU program does not read the indexer's bf16 Hadamard signs)
+    assert set(shared) <= set(table) and in_file >= set(table) - set(shared) and not in_file & set(shared)
+    assert "shared with the main program" in log
+    engine = Engine.load(out, device="cpu")
+    for name, main in shared.items():
+        assert engine.draft_program.weights[name] is engine.program.weights[main]
+
+
 def test_float32_build_is_dequant(exact_engine):
     from dsa_trt.engine_config import EngineConfig
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import re
 import shutil
 import struct
 from pathlib import Path
@@ -29,6 +30,7 @@ from dsa_trt.weights_file import (ConstantSpec, WeightsFileError, WeightsWriter,
                                   weights_file_name)
 
 WEIGHTS = weights_file_name(0)
+DRAFT_WEIGHTS = weights_file_name(0, draft=True)
 FLIP_BYTES = 64
 
 
@@ -195,4 +197,30 @@ def test_weights_that_do_not_fit_the_program(engine, monkeypatch, change, shown)
 def test_missing_weights_file(engine, monkeypatch):
     (engine / WEIGHTS).unlink()
     with pytest.raises(EngineDirError, match=r"missing rank0\.weights\.safetensors"):
+        Engine.load(engine)
+
+
+def test_draft_weights_file_errors_name_it(engine, monkeypatch):
+    """The MTP draft program's weights file (rank0.mtp.weights.safetensors) is checked like the main
+    one: missing, truncated, or without a tensor its program wants, each error names it."""
+    dfile = engine / DRAFT_WEIGHTS
+    data = dfile.read_bytes()
+    dfile.write_bytes(data[: len(data) - 1000])
+    with pytest.raises(EngineDirError, match=r"rank0\.mtp\.weights\.safetensors: .*(bytes but manifest\.json "
+                                             r"recorded|does not match manifest)"):
+        Engine.load(engine)
+    monkeypatch.setenv("DSA_VERIFY_ENGINE", "off")
+    with pytest.raises(EngineDirError, match=r"rank0\.mtp\.weights\.safetensors: .*the file is truncated"):
+        Engine.load(engine)
+    dfile.write_bytes(data)
+    tensors = {n: t.clone() for n, t in map_weights(dfile).tensors.items()}
+    name = next(n for n in tensors if n.endswith("self_attn.q_a_layernorm.weight"))
+    del tensors[name]
+    save_file(tensors, str(dfile))
+    with pytest.raises(EngineDirError, match=r"rank0\.mtp\.weights\.safetensors: 1 tensor\(s\) do not match the "
+                                             r"compiled program: " + re.escape(name) + ": missing"):
+        Engine.load(engine)
+    Engine.load(engine, draft=False)  # the main program alone does not read it
+    dfile.unlink()
+    with pytest.raises(EngineDirError, match=r"missing rank0\.mtp\.weights\.safetensors"):
         Engine.load(engine)
