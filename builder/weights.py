@@ -165,12 +165,11 @@ def _stream_and_compile(ckpt: Checkpoint, net: torch.nn.Module, wpath: Path, pac
     derived = derived_buffers(net)
     with WeightsWriter(wpath, specs) as writer:
         group = None
-        for name, t in checkpoint_tensors(ckpt, net, tp_rank, tp_size, progress):
+        for name, t in checkpoint_tensors(ckpt, net, tp_rank, tp_size, progress, skip=shared.keys()):
             if group is not None and _group(name) != group:
                 ckpt.close()  # unmap the shards: their pages would stay resident for the whole build
             group = _group(name)
-            if name not in shared:
-                writer.put(name, t)
+            writer.put(name, t)
             del t
         ckpt.close()
         for name, t in derived.items():

@@ -343,7 +343,7 @@ def load_config(path: str | Path) -> ModelConfig:
 
 # ------------------------------------------------------------------------------ printing
 PARTS = ("attention", "indexer", "dense_mlp", "shared_experts", "routed_experts", "router", "embed", "lm_head",
-         "norms", "mtp")
+         "norms", "mtp", "derived")
 
 
 def format_plan(plan: Plan) -> str:

@@ -84,15 +84,15 @@ def set_tensor(net: torch.nn.Module, name: str, t: torch.Tensor) -> None:
 
 
 def checkpoint_tensors(ckpt: Checkpoint, net: torch.nn.Module, tp_rank: int = 0, tp_size: int = 1,
-                       progress: Progress | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+                       progress: Progress | None = None, skip=frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, CPU tensor) for every persistent tensor of ``net`` (a skeleton: DSAForCausalLM or the
     MTP draft), in module order (a layer at a time), each as the network holds it and sliced by
     export/sharding.py: fp8 blocks dequantised, or kept e4m3 with their scales (Fp8Linear, stacked
     experts; a FusedFp8Linear's weight and scales its parts' stacked, each part sliced by its own
     name). Only one tensor (one layer's stacked experts) is alive at a time unless the caller keeps
-    them."""
+    them. Names in ``skip`` are neither read nor yielded."""
     stacked = {}  # layer -> its StackedExperts buffers by name (the current layer only)
-    items = list(net.state_dict().items())
+    items = [(n, p) for n, p in net.state_dict().items() if n not in skip]
     for name, param in progress(items) if progress else items:
         parts = name.split(".")
         if ".mlp.stacked_experts." in name:  # model.layers.L.mlp.stacked_experts.<buffer>

@@ -33,7 +33,6 @@ from onnx import TensorProto
 from onnx import helper as oh
 from torch.utils._python_dispatch import TorchDispatchMode
 
-import dsa_trt.builder.build as build_module
 from dsa_trt.builder.build import BuildError, build_engine, check_onnx_options
 from dsa_trt.builder.onnx_export import export_onnx, functionalize, tensorrt_problems
 from dsa_trt.builder.tensorrt_build import MAX_TENSOR_VOLUME, Profile, TensorRTBuildError, build_plan, profile_shapes
@@ -67,13 +66,10 @@ def ckpt(tiny_ckpt):
 
 @pytest.fixture(scope="module")
 def emitted(tiny_ckpt, tmp_path_factory):
-    """`build_engine --emit-onnx` (fp8 cache, bf16): the TensorRT-ready graphs + the engine config. The
-    AOTInductor compile is stubbed (tests/test_engine.py covers it) to keep this file fast."""
+    """`build_engine --emit-onnx` (fp8 cache, bf16): the TensorRT-ready graphs + the engine config."""
     out = tmp_path_factory.mktemp("emit") / "tiny-fp8"
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(build_module, "compile_package", lambda ep, package_path: Path(package_path).touch())
-        cfg = build_engine(tiny_ckpt, out, cache_mode="fp8", compiler="aoti", device="cpu", dtype="bfloat16",
-                           emit_onnx=True)
+    cfg = build_engine(tiny_ckpt, out, cache_mode="fp8", compiler="aoti", device="cpu", dtype="bfloat16",
+                       emit_onnx=True)
     path = out / "onnx" / "rank0.onnx"
     return cfg, path, onnx.load(str(path))
 
