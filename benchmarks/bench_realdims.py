@@ -754,13 +754,14 @@ def main(argv: list[str] | None = None) -> int:
                 print_top_kernels(label, graph_rows[key], a.top_kernels)
     else:
         print(f"\nCUDA graphs: skipped ({'--no-graphs' if a.no_graphs else f'device {device.type}: graphs need CUDA'})")
-    model_8gpu(decode, graph_rows, cfg)
+    card = torch.cuda.get_device_name(device) if device.type == "cuda" else "the CPU"
+    model_8gpu(decode, graph_rows, cfg, card)
     if device.type == "cuda" and cfg.n_routed_experts == 256 and decode:
         batches = sorted({b for b, _ in decode})
         tokens = {*batches, *(WORLD * b for b in batches)}
         tokens |= {(n + 1) * t for t in tokens for n in drafts}
         model_8gpu_dp(decode, graph_rows, experts_alone_us(net, sorted(tokens), replays, device), cfg, verify,
-                      a.mtp_acceptance, drafts)
+                      a.mtp_acceptance, drafts, card)
     return 0
 
 

@@ -154,14 +154,15 @@ def mtp_dp_rows(decode: dict, verify: dict, graph_rows: dict, experts_us: dict[i
 
 
 def model_8gpu_dp(decode: dict, graph_rows: dict, experts_us: dict[int, float], cfg: ModelConfig,
-                  verify: dict | None = None, acceptance=(0.85,), drafts=(1,)) -> None:
+                  verify: dict | None = None, acceptance=(0.85,), drafts=(1,), card: str = "this GPU") -> None:
     from dsa_trt.plan import load_config, make_plan
 
     full = load_config(REAL_CONFIG)
     plan = make_plan(full, tp=1, ep=WORLD, gpu_memory_gb=141.0)
     print(f"\nmodelled V3.2 decode on 8 H200s, attention data-parallel + EP8 (dsa_trt/plan.py tp=1 ep=8: "
           f"{plan.ranks[0].weight_bytes / 1e9:.1f} GB of weights and {plan.tokens_per_group:,} cache tokens per GPU, "
-          f"fits {plan.fits}): per GPU B sequences, its attention as measured at B, its 32 experts fed 1/8 of the "
+          f"fits {plan.fits}; the timings measured on {card}): per GPU B sequences, its attention as measured at B, "
+          f"its 32 experts fed 1/8 of the "
           f"node's 8B tokens' pairs (experts alone, µs: "
           + ", ".join(f"T={t} {us:.1f}" for t, us in sorted(experts_us.items())) + "); dispatch + combine over "
           "NVLink at 450 GB/s, not overlapped; embedding, final norm and lm_head as measured 'outside the layers' "
@@ -207,11 +208,12 @@ def model_8gpu_dp(decode: dict, graph_rows: dict, experts_us: dict[int, float], 
                   f"{need_s} |")
 
 
-def model_8gpu(decode: dict, graph_rows: dict, cfg: ModelConfig) -> None:
+def model_8gpu(decode: dict, graph_rows: dict, cfg: ModelConfig, card: str = "this GPU") -> None:
     """The modelled 61-layer decode on 8 H200s (the assumptions are in the module docstring); per
     shape from its CUDA-graph rows where they exist, else from its eager rows (labelled)."""
     print("\nmodelled V3.2 (61 layers: 3 dense + 58 MoE) decode on 8 H200s, TP8 attention + EP8 (dsa_trt/plan.py's "
-          "fitting plan), from the per-layer numbers above (the CUDA-graph rows where measured, else the eager ones: "
+          f"fitting plan), from the per-layer numbers above, measured on {card} (the CUDA-graph rows where measured, "
+          "else the eager ones: "
           "'layers from'); EP dispatch + combine and TP all-reduce over NVLink at 450 GB/s, not overlapped; "
           "embedding, final norm and lm_head not counted")
     print("| context | batch (whole node) | layers from | step ms | of it comms ms | output tok/s per GPU | "
