@@ -60,18 +60,9 @@ def resolve_engine(path: Path, build_dir: Path | None) -> Path:
 
 
 def median_us(fn, iters: int, warmup: int, cuda: bool) -> float:
-    if cuda:
-        from timing import time_eager_us
+    from timing import time_eager_us, time_wall_us
 
-        return time_eager_us(fn, iters=iters, warmup=warmup)
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e6)
-    return statistics.median(times)
+    return (time_eager_us if cuda else time_wall_us)(fn, iters=iters, warmup=warmup)
 
 
 def throughput(engine: Engine, prompts: list[str], max_tokens: int, runs: int) -> tuple[float, float]:

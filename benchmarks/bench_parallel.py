@@ -119,6 +119,7 @@ from bench_realdims import (  # noqa: E402
     timed_op,
 )
 from realdims_model import NVLINK_BPS, REAL_CONFIG, tokens_label  # noqa: E402
+from timing import time_wall_us  # noqa: E402
 
 COLLECTIVES = ("ep_all_to_all", "all_gather", "all_reduce")  # the dsa:: ops of export/parallel.py
 EXCHANGE = "exchange"  # RegionClock category of the time inside a collective
@@ -418,16 +419,11 @@ def _device(a, rank: int) -> torch.device:
 
 
 def _median_us(run, iters: int, warmup: int, device) -> float:
+    if device.type != "cuda":
+        return time_wall_us(run, iters, warmup)
     for _ in range(warmup):
         run()
-    if device.type == "cuda":
-        return median_step_us(run, iters)
-    times = []
-    for _ in range(iters):
-        t = time.perf_counter()
-        run()
-        times.append((time.perf_counter() - t) * 1e6)
-    return statistics.median(times)
+    return median_step_us(run, iters)
 
 
 def _failure(e: BaseException) -> str:

@@ -4,6 +4,7 @@ and by the CUDA profiler (the peers' method), median of the iterations (STYLE.md
 from __future__ import annotations
 
 import statistics
+import time
 import warnings
 
 import torch
@@ -111,4 +112,16 @@ def time_eager_us(fn, iters: int = 50, warmup: int = 10) -> float:
         b.record()
         b.synchronize()
         times.append(a.elapsed_time(b) * 1e3)
+    return statistics.median(times)
+
+
+def time_wall_us(fn, iters: int = 50, warmup: int = 10) -> float:
+    """Median µs of one call by the host clock (CPU work: a synchronous call's whole time)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e6)
     return statistics.median(times)
