@@ -24,7 +24,7 @@ from dsa_trt.export.checkpoint import Checkpoint, scale_name
 from dsa_trt.export.real_dims import LINEAR_STD, V32_DIMS, router_groups
 from dsa_trt.export.tiny_checkpoint import main as generator_main
 from dsa_trt.export.tiny_checkpoint import write_tiny_checkpoint
-from dsa_trt.plan import make_plan
+from dsa_trt.plan import derived_bytes, make_plan
 
 # sha256 over (name, dtype, shape, bytes) of every tensor, in name order, as written at 4100e29
 TINY_TENSORS_SHA256 = {
@@ -106,6 +106,11 @@ def test_real_dims_preset_streams_the_real_format(tmp_path: Path) -> None:
         assert ckpt.raw("model.layers.1.mlp.gate.weight").dtype == torch.bfloat16
         assert ckpt.raw("model.layers.0.self_attn.indexer.weights_proj.weight").dtype == torch.bfloat16
 
-    # the plan counts exactly what the generator stored
-    assert make_plan(ModelConfig.from_json(out), 1, 1, 141.0).ranks[0].weight_bytes == stats["bytes"]
+    # the plan counts exactly what the generator stored, as the engine holds it: kv_b in bf16 without its
+    # scale, plus the derived buffers (dsa_trt/plan.py)
+    cfg = ModelConfig.from_json(out)
+    rows, cols = cfg.num_attention_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank
+    kv_b = rows * cols * (2 - 1) - math.ceil(rows / 128) * math.ceil(cols / 128) * 4
+    engine_bytes = stats["bytes"] + cfg.num_hidden_layers * kv_b + derived_bytes(cfg, include_mtp=False)
+    assert make_plan(cfg, 1, 1, 141.0).ranks[0].weight_bytes == engine_bytes
     assert math.isclose(stats["bytes"], sum(p.stat().st_size for p in out.glob("*.safetensors")), rel_tol=1e-4)

@@ -471,12 +471,13 @@ def test_fp8_tp2_equals_one_rank(trained, tmp_path):
 
 def test_real_v32_tp8_keeps_every_linear_fp8_and_plan_counts_it():
     """Every tp-split slice of the real V3.2 at tp 8 is on the 128 grid, so nothing is dequantised;
-    dsa-trt plan counts the checkpoint's stored bytes, and the network holds exactly those but for
-    kv_b, dequantised to bf16 (the absorbed attention reads it as a matrix; no scale). The router
-    and the indexer's weights_proj stay bf16 as stored (layers.stored_dtype), applied in fp32."""
+    the network holds the checkpoint's stored bytes but for kv_b, dequantised to bf16 (the absorbed
+    attention reads it as a matrix; no scale), and dsa-trt plan counts exactly that plus the derived
+    buffers (not in the state dict). The router and the indexer's weights_proj stay bf16 as stored
+    (layers.stored_dtype), applied in fp32."""
     from dsa_trt.config import ModelConfig
     from dsa_trt.export.network import DSAForCausalLM
-    from dsa_trt.plan import make_plan
+    from dsa_trt.plan import derived_bytes, make_plan
 
     cfg = ModelConfig.from_json(REAL_CONFIG)
     tp = 8
@@ -485,9 +486,7 @@ def test_real_v32_tp8_keeps_every_linear_fp8_and_plan_counts_it():
     assert net.dequantised_linears == []
     held = sum(t.numel() * t.element_size() for t in net.state_dict().values())
     planned = make_plan(cfg, tp=tp, ep=tp, gpu_memory_gb=141).ranks[0].weight_bytes
-    kv_b_rows = cfg.num_attention_heads // tp * (cfg.qk_nope_head_dim + cfg.v_head_dim)
-    kv_b = kv_b_rows * cfg.kv_lora_rank * (2 - 1) - (kv_b_rows // 128) * (cfg.kv_lora_rank // 128) * 4
-    extra = cfg.num_hidden_layers * kv_b
-    print(f"[w8a8] real V3.2 rank 0 of tp 8, fp8: the network holds {held / 1e9:.2f} GB, dsa-trt plan says "
-          f"{planned / 1e9:.2f} GB (+{extra / 1e9:.2f} GB: kv_b bf16)")
-    assert held == planned + extra
+    derived = derived_bytes(cfg, include_mtp=False)
+    print(f"[w8a8] real V3.2 rank 0 of tp 8, fp8: the network holds {held / 1e9:.2f} GB (+{derived / 1e6:.1f} MB of "
+          f"derived buffers), dsa-trt plan says {planned / 1e9:.2f} GB")
+    assert held + derived == planned
