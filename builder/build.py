@@ -196,7 +196,7 @@ def build_engine(checkpoint: str | Path, out: str | Path, tp: int = 1, cache_mod
                          "original model repository") from None
     if gpu_memory_gb is not None:  # refuse before any work a layout whose ranks cannot hold weights + a step's cache
         plan = check_fits(cfg, tp, ep if parallel else tp, gpu_memory_gb, cp=cp, cache_mode=cache_mode,
-                          min_cache_tokens=max_num_tokens)
+                          min_cache_tokens=max_num_tokens, include_mtp=bool(mtp_layers))
         _log(f"plan fits: {plan.ranks[0].weight_bytes / 1e9:.1f} GB of weights per rank, "
              f"{plan.tokens_per_group:,} cache tokens in {gpu_memory_gb:g} GB", t0)
     _log(f"checkpoint {checkpoint}: {cfg.model_type}, {cfg.num_hidden_layers} layers, validated", t0)

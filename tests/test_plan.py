@@ -179,6 +179,27 @@ def test_builder_refuses_before_building(tiny_ckpt: Path, tmp_path: Path, capsys
     assert not (out / "engine_config.json").exists()
 
 
+def test_builder_counts_the_draft_program(tiny_ckpt: Path, tmp_path: Path, capsys) -> None:
+    """A GPU that holds the main model and one step's cache but not the MTP draft's weights and
+    cache as well: the builder (which compiles the draft by default) refuses it."""
+    from dsa_trt.builder.build import main
+
+    cfg = ModelConfig.from_json(tiny_ckpt)
+
+    def fits(gb: float, mtp: bool) -> bool:
+        return make_plan(cfg, 1, 1, gb, cache_mode="bf16", min_cache_tokens=8192, include_mtp=mtp).fits
+
+    lo, hi = 8.0, 9.0  # the 8 GB reserve + a few MB: bisect to where the main model alone just fits
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if fits(mid, False) else (mid, hi)
+    assert fits(hi, False) and not fits(hi, True)
+    rc = main(["--checkpoint", str(tiny_ckpt), "--out", str(tmp_path / "engine"), "--compiler", "aoti",
+               "--device", "cpu", "--cache", "bf16", "--gpu-memory-gb", repr(hi)])
+    err = capsys.readouterr().err
+    assert rc == 2 and "does not fit" in err, err
+
+
 # --------------------------------------------------------------------------------- CLI
 def test_cli_json_schema(capsys) -> None:
     from dsa_trt.runtime.cli import main
