@@ -21,8 +21,8 @@ experts for B tokens on all 256) - the experts alone at B tokens + the experts a
 / 8, the experts alone measured here on the first MoE layer (its router's picks on random hidden
 states, one CUDA graph, median of the replays); plus the dispatch and combine of the GPU's own
 pairs, 2 x B x 8 x 7168 x 2 B, 7/8 of it over NVLink at 450 GB/s. A row is kept only where the
-plan's cache holds B sequences of the context on a GPU (else it says how many it holds: 176 of 4K,
-22 of 32K for V3.2 on 141 GB; measure that batch too, e.g. ``--batches 1 22 32 128``). Output tok/s
+plan's cache holds B sequences of the context on a GPU (else it says how many it holds: 170 of 4K,
+21 of 32K for V3.2 on 141 GB; measure that batch too, e.g. ``--batches 1 21 32 128``). Output tok/s
 per GPU = B / step.
 
 ``--mtp N [N ...]`` adds each decode shape as the verify step of N MTP drafts (N + 1 query tokens per
@@ -37,8 +37,8 @@ default 0.85 then 0.63: DeepSeek reports 85-90% for the first draft; the second 
 after 0.85, gives nebius/MTP-DeepSeek-V3-0324's published mean acceptance length 3.20 for
 DeepSeek-V3-0324's own MTP layer reused recurrently over 7 drafts at temperature 0; the tiny embedded
 model's is measured by dsa-trt bench). Not counted: the MTP layer's eh_proj and norms (103 MB of e4m3,
-~25 µs a pass at HBM speed). Its plan holds the MTP layer's weights and caches too (20 sequences of
-32K per GPU, 163 of 4K). Each row also says which tau would give 1,000 output tok/s per GPU.
+~25 µs a pass at HBM speed). Its plan holds the MTP layer's weights and caches too (19 sequences of
+32K per GPU, 157 of 4K). Each row also says which tau would give 1,000 output tok/s per GPU.
 
 The DP models count the measured "outside the layers" of a graph row (embedding, final norm and the
 bf16 lm_head over 129,280 entries on every GPU: ~0.42-0.49 ms at these shapes); an eager row has none
