@@ -30,8 +30,8 @@ from dsa_trt.plugins.pools import allocate_pools
 from dsa_trt.step import dynamic_shapes, export_dims
 
 from .checkpoint import Checkpoint
-from .layers import RMSNorm, fp32_linear, linear, resolve_weight_format, rope_cos_sin
-from .network import CACHE_MODES, DecoderLayer, check_dequantised
+from .layers import RMSNorm, fp32_linear, linear, resolve_weight_format
+from .network import CACHE_MODES, DecoderLayer, check_dequantised, step_meta
 from .program import Progress, checkpoint_tensors, derived_buffers, example_step, set_tensor
 from .sharding import check_tp
 
@@ -94,14 +94,7 @@ class MTPDraft(nn.Module):
     def forward(self, input_ids, positions, req_idx, page_table, slot_mapping, logits_indices, hidden_states,
                 mla_pools: list[torch.Tensor], index_pools: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         b = self.block
-        cos, sin = rope_cos_sin(positions, self.inv_freq, self.cfg.rope_attention_scaling())
-        meta = {
-            "positions": positions,
-            "req_idx": req_idx,
-            "page_table": page_table,
-            "slot_mapping": slot_mapping,
-            "seq_lens": (positions + 1).to(torch.int32),
-        }
+        cos, sin, meta = step_meta(self.cfg, self.inv_freq, positions, req_idx, page_table, slot_mapping)
         e = b.embed_tokens(input_ids)
         e = e.masked_fill((positions == 0)[:, None], 0.0)  # [T, D]; position 0 has no previous token
         z = b.eh_proj(torch.cat([b.enorm(e), b.hnorm(hidden_states.to(e.dtype))], dim=-1))

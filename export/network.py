@@ -237,6 +237,20 @@ class DSAModelBody(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
+def step_meta(cfg: ModelConfig, inv_freq: torch.Tensor, positions, req_idx, page_table, slot_mapping):
+    """(cos, sin, meta): RoPE of the step's positions and what every layer reads of the step
+    (the main network's and the MTP draft's)."""
+    cos, sin = rope_cos_sin(positions, inv_freq, cfg.rope_attention_scaling())
+    meta = {
+        "positions": positions,
+        "req_idx": req_idx,
+        "page_table": page_table,
+        "slot_mapping": slot_mapping,
+        "seq_lens": (positions + 1).to(torch.int32),  # causal: keys [0, pos] of own sequence
+    }
+    return cos, sin, meta
+
+
 class DSAForCausalLM(nn.Module):
     """Parameter names equal the HF checkpoint's (``model.layers.0.self_attn.q_a_proj.weight``...), but
     for an fp8 network's fused projections (export/layers.py FusedFp8Linear: ``self_attn.x_proj``,
@@ -279,14 +293,7 @@ class DSAForCausalLM(nn.Module):
 
     def forward(self, input_ids, positions, req_idx, page_table, slot_mapping, logits_indices,
                 mla_pools: list[torch.Tensor], index_pools: list[torch.Tensor]) -> torch.Tensor:
-        cos, sin = rope_cos_sin(positions, self.inv_freq, self.cfg.rope_attention_scaling())
-        meta = {
-            "positions": positions,
-            "req_idx": req_idx,
-            "page_table": page_table,
-            "slot_mapping": slot_mapping,
-            "seq_lens": (positions + 1).to(torch.int32),  # causal: keys [0, pos] of own sequence
-        }
+        cos, sin, meta = step_meta(self.cfg, self.inv_freq, positions, req_idx, page_table, slot_mapping)
         h = self.model.embed_tokens(input_ids)
         for layer, mla_pool, index_pool in zip(self.model.layers, mla_pools, index_pools):
             h = layer(h, cos, sin, meta, mla_pool, index_pool, self.cache_mode)
