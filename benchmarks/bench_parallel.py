@@ -107,19 +107,16 @@ from bench_realdims import (  # noqa: E402
     RegionClock,
     capture_step,
     decode_step,
-    layer_hooks,
     layer_roofline,
     median_step_us,
-    patched_ops,
     prefill_step,
     profiled_replays,
     real_config,
     roofline_us,
     split_replays,
-    timed_op,
 )
 from realdims_model import NVLINK_BPS, REAL_CONFIG, tokens_label  # noqa: E402
-from timing import time_wall_us  # noqa: E402
+from timing import layer_hooks, patched_ops, time_wall_us, timed_op  # noqa: E402
 
 COLLECTIVES = ("ep_all_to_all", "all_gather", "all_reduce")  # the dsa:: ops of export/parallel.py
 EXCHANGE = "exchange"  # RegionClock category of the time inside a collective

@@ -84,8 +84,9 @@ from dsa_trt.export.network import DSAForCausalLM
 from dsa_trt.plugins.pools import allocate_pools
 from dsa_trt.step import StepInputs
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # realdims_model beside this file
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # realdims_model, timing beside this file
 from realdims_model import REAL_CONFIG, WORLD, model_8gpu, model_8gpu_dp, tokens_label  # noqa: E402
+from timing import layer_hooks, patched_ops, timed_op  # noqa: E402
 
 HBM_BPS = 4.2e12
 FP8_FLOPS, BF16_FLOPS = 1377e12, 758e12
@@ -190,45 +191,6 @@ class RegionClock:
         for (a, where), (b, _) in zip(self.marks, self.marks[1:]):
             out[where] += (a.elapsed_time(b) * 1e3) if self.cuda else (b - a) * 1e6
         return out
-
-
-@contextmanager
-def patched_ops(ops, wrap):
-    """torch.ops.dsa.<op> replaced by ``wrap(op, packet)`` for each op inside the block, restored after."""
-    saved = {op: getattr(torch.ops.dsa, op) for op in ops}
-    for op, packet in saved.items():
-        setattr(torch.ops.dsa, op, wrap(op, packet))
-    try:
-        yield
-    finally:
-        for op, packet in saved.items():
-            setattr(torch.ops.dsa, op, packet)
-
-
-def timed_op(clock: RegionClock, category: str, packet, on_call=None):
-    """``packet`` inside a ``category`` region of ``clock``; ``on_call(args)`` after each call."""
-    def timed(*a, **k):
-        clock.push(category=category)
-        out = packet(*a, **k)
-        clock.pop()
-        if on_call is not None:
-            on_call(a)
-        return out
-    return timed
-
-
-@contextmanager
-def layer_hooks(net: DSAForCausalLM, clock: RegionClock):
-    """A ``clock`` region per decoder layer (removed after)."""
-    handles = []
-    for i, layer in enumerate(net.model.layers):
-        handles.append(layer.register_forward_pre_hook(lambda m, a, i=i: clock.push(layer=i)))
-        handles.append(layer.register_forward_hook(lambda m, a, o: clock.pop(end_layer=True)))
-    try:
-        yield handles
-    finally:
-        for h in handles:
-            h.remove()
 
 
 @contextmanager

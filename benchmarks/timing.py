@@ -6,6 +6,7 @@ from __future__ import annotations
 import statistics
 import time
 import warnings
+from contextlib import contextmanager
 
 import torch
 
@@ -125,3 +126,44 @@ def time_wall_us(fn, iters: int = 50, warmup: int = 10) -> float:
         fn()
         times.append((time.perf_counter() - t0) * 1e6)
     return statistics.median(times)
+
+
+# ------------------------------------------------------------- region clocks (bench_realdims.RegionClock)
+@contextmanager
+def patched_ops(ops, wrap):
+    """torch.ops.dsa.<op> replaced by ``wrap(op, packet)`` for each op inside the block, restored after."""
+    saved = {op: getattr(torch.ops.dsa, op) for op in ops}
+    for op, packet in saved.items():
+        setattr(torch.ops.dsa, op, wrap(op, packet))
+    try:
+        yield
+    finally:
+        for op, packet in saved.items():
+            setattr(torch.ops.dsa, op, packet)
+
+
+def timed_op(clock, category: str, packet, on_call=None):
+    """``packet`` inside a ``category`` region of ``clock`` (a bench_realdims.RegionClock);
+    ``on_call(args)`` after each call."""
+    def timed(*a, **k):
+        clock.push(category=category)
+        out = packet(*a, **k)
+        clock.pop()
+        if on_call is not None:
+            on_call(a)
+        return out
+    return timed
+
+
+@contextmanager
+def layer_hooks(net: torch.nn.Module, clock):
+    """A ``clock`` region per decoder layer (removed after)."""
+    handles = []
+    for i, layer in enumerate(net.model.layers):
+        handles.append(layer.register_forward_pre_hook(lambda m, a, i=i: clock.push(layer=i)))
+        handles.append(layer.register_forward_hook(lambda m, a, o: clock.pop(end_layer=True)))
+    try:
+        yield handles
+    finally:
+        for h in handles:
+            h.remove()
