@@ -7,9 +7,9 @@ Each (batch, mode) is one `dsa-trt bench --num-prompts max(B, P) --max-num-seqs 
 this process (P = --min-prompts, 16: batch 1 decodes every held-out line in turn, not only the first,
 and a batch refills as its requests finish),
 so the engine's one-time load cost (~40 s of inductor subprocess compiles on the H200) is paid once
-rather than per row. Modes: plain; mtp (the verify step, then a separate draft pass); fused
-(DSA_MTP_FUSED=1: the verify step runs the next step's draft pass in the same call); mtp:N for N
-drafts. Prints each run's report, then a markdown table.
+rather than per row. Modes: plain; mtp / mtp:N (N drafts; the verify step, then separate draft
+passes, DSA_MTP_FUSED=0); fused / fused:N (DSA_MTP_FUSED=1, the default: the verify step runs the
+next step's draft passes in the same call). Prints each run's report, then a markdown table.
 """
 
 from __future__ import annotations
@@ -27,9 +27,10 @@ from dsa_trt.runtime import cli
 def run(engine: str, prompts: str, batch: int, mode: str, max_tokens: int, min_prompts: int) -> dict[str, float | str]:
     argv = ["bench", "--engine", engine, "--num-prompts", str(max(batch, min_prompts)), "--max-num-seqs", str(batch),
             "--max-tokens", str(max_tokens), "--temperature", "0", "--prompt-file", prompts, "--prompt-len", "16"]
-    if mode != "plain":
-        argv += ["--speculative", "mtp" if mode == "fused" else mode]
-    os.environ["DSA_MTP_FUSED"] = "1" if mode == "fused" else "0"
+    method, _, n = mode.partition(":")
+    if method != "plain":
+        argv += ["--speculative", f"mtp:{n or 1}"]
+    os.environ["DSA_MTP_FUSED"] = "1" if method == "fused" else "0"
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         rc = cli.main(argv)
@@ -51,7 +52,7 @@ def main() -> int:
     ap.add_argument("prompts", help="text prompts, one per line (the held-out corpus lines)")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--modes", nargs="+", default=["plain", "mtp", "fused"],
-                    help="plain, mtp, fused (DSA_MTP_FUSED=1), mtp:N")
+                    help="plain, mtp[:N] (separate draft passes), fused[:N] (DSA_MTP_FUSED=1)")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--min-prompts", type=int, default=16,
                     help="prompts per row at least (a batch of B decodes max(B, this) prompts, B at a time)")
@@ -59,8 +60,8 @@ def main() -> int:
     if a.min_prompts < 1:
         ap.error(f"--min-prompts {a.min_prompts} must be >= 1")
     for m in a.modes:
-        if m not in ("plain", "fused") and not re.fullmatch(r"mtp(:\d+)?", m):
-            ap.error(f"--modes: {m!r} is not plain, fused, mtp or mtp:N")
+        if m != "plain" and not re.fullmatch(r"(mtp|fused)(:\d+)?", m):
+            ap.error(f"--modes: {m!r} is not plain, mtp[:N] or fused[:N]")
     rows = {(b, m): run(a.engine, a.prompts, b, m, a.max_tokens, a.min_prompts) for b in a.batches for m in a.modes}
     print("| batch | mode | output tok/s | vs plain | drafts accepted | tokens per step |")
     print("|---:|---|---:|---:|---:|---:|")

@@ -101,8 +101,17 @@ class LLM:
         pages = self._num_pages(num_pages, cache_fraction)
         self.pool = PagePool(pages)
         self.mla_pools, self.index_pools = allocate_pools(cfg.model, cfg.cache_mode, pages, self.device)
+        # What one sequence can hold: positions, page-table width, and the whole pool (a request
+        # longer than the pool could only be cut short). Requests beyond it are refused at add.
+        self.limits = {
+            "max_position_embeddings": cfg.model.max_position_embeddings,
+            "max_pages_per_seq * 64": cfg.max_pages_per_seq * PAGE_SIZE,
+            "cache pool tokens": pages * PAGE_SIZE,
+        }
+        self.max_model_len = min(self.limits.values())
         pad = DETERMINISTIC_TOKEN_BLOCK if self.deterministic else 1
-        self.speculator = (MTPSpeculator(self.engine, self.num_draft, pages, pad, fused=knobs.get("DSA_MTP_FUSED") == "1")
+        self.speculator = (MTPSpeculator(self.engine, self.num_draft, pages, pad, fused=knobs.get("DSA_MTP_FUSED") == "1",
+                                         max_model_len=self.max_model_len)
                            if self.num_draft else None)
         self.graphs = None
         if self.device.type == "cuda" and knobs.get("DSA_CUDA_GRAPHS") == "1" and _kernels_capturable():
@@ -120,20 +129,13 @@ class LLM:
                     self.speculator.fused_graphs = CudaGraphRunner(
                         self.engine, *pools, max_num_seqs, min_batch=min_batch,
                         call=lambda st: self.speculator.fused_call(st, pools))
-        # What one sequence can hold: positions, page-table width, and the whole pool (a request
-        # longer than the pool could only be cut short). Requests beyond it are refused at add.
-        self.limits = {
-            "max_position_embeddings": cfg.model.max_position_embeddings,
-            "max_pages_per_seq * 64": cfg.max_pages_per_seq * PAGE_SIZE,
-            "cache pool tokens": pages * PAGE_SIZE,
-        }
-        self.max_model_len = min(self.limits.values())
         self.scheduler = Scheduler(
             self.pool, max_num_tokens=min(max_num_tokens or cfg.max_num_tokens, cfg.max_num_tokens),
             max_num_seqs=min(max_num_seqs, cfg.max_batch), max_model_len=self.max_model_len,
             eos_token_ids=cfg.model.eos_token_id,
             max_model_len_note=", ".join(f"{k} {v}" for k, v in self.limits.items()),
             num_draft=self.num_draft,
+            lookahead=self.speculator.lookahead if self.speculator is not None else 0,
         )
         self._outputs: dict[str, CompletionOutput] = {}
         self._decoders: dict[str, TextDecoder] = {}  # each running request's output text, incrementally

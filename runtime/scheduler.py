@@ -159,11 +159,14 @@ class Scheduler:
         eos_token_ids: Sequence[int] = (),
         max_model_len_note: str = "",
         num_draft: int = 0,
+        lookahead: int = 0,
     ) -> None:
         """max_num_tokens: token budget per step (when more requests decode than it allows, the
         oldest go first and the rest wait a step); eos_token_ids: ModelConfig.eos_token_id; max_model_len_note:
         where max_model_len comes from (the limits it is the min of), for the refusal message;
-        num_draft: draft tokens verified per decoding step (speculative decoding; 0 = off)."""
+        num_draft: draft tokens verified per decoding step (speculative decoding; 0 = off);
+        lookahead: positions past a verify step's tokens whose pages it reserves (the fused MTP
+        step's recurrent draft passes write there, runtime/speculative.py)."""
         limits = dict(
             max_num_tokens=max_num_tokens, max_num_seqs=max_num_seqs, max_model_len=max_model_len)
         for name, v in limits.items():
@@ -172,7 +175,7 @@ class Scheduler:
         if num_draft < 0 or max_num_tokens < 1 + num_draft:
             raise ValueError(f"Scheduler: num_draft={num_draft} needs max_num_tokens >= {1 + num_draft} "
                              f"(got {max_num_tokens}): one verify step holds 1 + num_draft tokens per sequence")
-        self.num_draft = num_draft
+        self.num_draft, self.lookahead = num_draft, lookahead
         self.pool = pool
         self.max_num_tokens = max_num_tokens
         self.max_num_seqs = max_num_seqs
@@ -264,7 +267,9 @@ class Scheduler:
             if d and budget < 1 + d:
                 continue  # the verify step waits for budget (its draft count never depends on the batch)
             n = 1 + d if d else min(len(req.token_ids) - req.num_computed, budget)
-            need = pages_for(req.num_computed + n) - len(req.pages)
+            ahead = self.lookahead if d else 0  # never past what the sequence can hold
+            need = max(0, pages_for(min(req.num_computed + n + ahead, max(self.max_model_len, req.num_computed + n)))
+                       - len(req.pages))
             while not self.pool.can_allocate(need):
                 victim = self.running[-1]  # most recently arrived
                 budget += plan.pop(victim, 0)

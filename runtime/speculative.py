@@ -21,10 +21,13 @@ Per step of the LLM (runtime/llm.py), around the one target call the scheduler p
    normalise(max(p_j - q_j, 0)); if every draft is accepted the bonus token is drawn from p_n.
    The accepted positions' hidden states become the request's pending MTP input for the next step.
 
-With ``DSA_MTP_FUSED=1`` (the default) a step in which every sequence verifies one greedy draft also runs step 1
-of the NEXT step (``fused_call``): the MTP pass over this step's own rows, their next tokens the
-target's argmax, the next draft taken from each sequence's last accepted row on the device. The
-next step then has no draft pass of its own (one host round, one CUDA graph per step).
+With ``DSA_MTP_FUSED=1`` (the default) a step in which every sequence verifies its n greedy drafts also runs
+step 1 of the NEXT step (``fused_call``): the MTP pass over this step's own rows, their next tokens
+the target's argmax, the next first draft taken from each sequence's last accepted row on the
+device, then the n - 1 recurrent passes from there. The next step then has no draft pass of its
+own (one host round, one CUDA graph per step). The recurrent passes write the MTP cache up to
+n - 1 positions past the step's last row, so the scheduler reserves pages that far ahead
+(``lookahead``).
 
 Every random number of a seeded request comes from its own generator in a fixed order (d draft
 uniforms, then d acceptance uniforms and one final uniform per verify step), and the draft count
@@ -43,6 +46,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dsa_trt.cache_layout import PAGE_SIZE
 from dsa_trt.plugins.pools import allocate_pools
 from dsa_trt.step import StepInputs, StepOutput
 
@@ -143,14 +147,18 @@ class MTPSpeculator:
     """The draft side of speculative decoding for one LLM: the MTP layer's pools (one layer, on the
     same page ids as the main pools) and the propose / verify hooks around each target step."""
 
-    def __init__(self, engine, num_draft: int, num_pages: int, pad_to: int = 1, fused: bool = False):
+    def __init__(self, engine, num_draft: int, num_pages: int, pad_to: int = 1, fused: bool = False,
+                 max_model_len: int | None = None):
         cfg = engine.config
         if not engine.has_draft:
             raise ValueError("speculative decoding needs the engine's MTP draft program (Engine.load(..., draft=True))")
         self.engine, self.num_draft, self.pad_to = engine, num_draft, pad_to
-        # fused: a greedy one-draft verify step runs the MTP pass of its own positions in the same
-        # call (fused_step), so the next step needs no draft pass of its own (DSA_MTP_FUSED)
-        self.fused = fused and num_draft == 1
+        # fused: a greedy verify step runs the next step's draft passes in the same call
+        # (fused_call), so the next step needs no draft pass of its own (DSA_MTP_FUSED)
+        self.fused = fused
+        # positions at or past this are never written by a fused step's recurrent passes (their
+        # pages may not exist): the sequence cannot reach them
+        self.max_model_len = max_model_len if max_model_len is not None else cfg.max_pages_per_seq * PAGE_SIZE
         self.fused_graphs = None  # a CudaGraphRunner over fused_call (set by the LLM on a GPU)
         self.fused_steps = 0
         self.device = engine.device
@@ -166,13 +174,8 @@ class MTPSpeculator:
         are still on the device (written over the host step's placeholders)."""
         if self.graphs is not None:
             return self.graphs.run(inputs, hidden, device_ids)  # pads like the branch below where it runs eagerly
-        inputs = with_device_ids(inputs.to(self.device), device_ids)
-        if self.pad_to > 1:  # the deterministic mode's row blocks (runtime/llm.py), hidden padded alike
-            inputs = inputs.pad_tokens(self.pad_to)
-            extra = inputs.input_ids.shape[0] - hidden.shape[0]
-            if extra:
-                hidden = torch.cat([hidden, hidden.new_zeros(extra, hidden.shape[1])])
-        return self.engine.draft(inputs, hidden, self.mla_pools, self.index_pools)
+        # the deterministic mode's row blocks (runtime/llm.py), hidden padded alike
+        return self._draft_padded(with_device_ids(inputs.to(self.device), device_ids), hidden)
 
     def _pick(self, seq, logits_row: torch.Tensor) -> tuple[int, torch.Tensor]:
         """A sampled row's draft token, drawn from q (the MTP logits [V] after its sampling params), and q."""
@@ -195,8 +198,8 @@ class MTPSpeculator:
         for b, s in enumerate(step.seqs):  # drafted by the previous, fused step: nothing to run
             r = s.request
             if r.hidden is not None and len(r.hidden) == 0:
-                if s.num_draft:
-                    drafts[b] = [r.draft]
+                if s.num_draft:  # r.draft [num_draft] on the device; fewer may be scheduled
+                    drafts[b] = list(r.draft[: s.num_draft].unbind(0))
                 r.hidden = r.draft = None
         pending = [(b, s) for b, s in enumerate(step.seqs) if s.request.hidden is not None]
         if not pending and not drafts:
@@ -284,29 +287,65 @@ class MTPSpeculator:
         return torch.tensor(rows, dtype=torch.int64), torch.stack(values)
 
     # ------------------------------------------------------------ the fused verify + draft step
+    @property
+    def lookahead(self) -> int:
+        """Positions past a verify step's last row that its fused draft passes write (the
+        scheduler reserves their pages): the recurrent passes of the next step's drafts 2..n."""
+        return self.num_draft - 1 if self.fused else 0
+
     def fuses(self, step) -> bool:
-        """Whether the target step runs fused: every sequence a greedy decode with one draft (two
-        query tokens, each with a logits row), so the MTP pass of the next step covers exactly
-        this step's positions with the target's argmax as their next tokens."""
+        """Whether the target step runs fused: every sequence a greedy decode with all n drafts
+        (n + 1 query tokens, each with a logits row), so the MTP pass of the next step covers
+        exactly this step's positions with the target's argmax as their next tokens."""
+        n = self.num_draft
         return self.fused and bool(step.seqs) and all(
-            s.num_draft == 1 and s.num_tokens == 2 and s.samples and s.request.params.greedy for s in step.seqs)
+            s.num_draft == n and s.num_tokens == n + 1 and s.samples and s.request.params.greedy for s in step.seqs)
 
     def fused_call(self, step: StepInputs, main_pools) -> StepOutput:
-        """The target program, then the MTP program on the same rows: at position i (rows 2b, 2b + 1
-        of sequence b) the next token t_{i+1} is the target's argmax there (the draft was that token
-        when accepted, the correction when not), the hidden state the target's. The next draft of
-        sequence b comes from its last accepted row: row 2b + 1 when its draft (input row 2b + 1)
-        equals the target's argmax at row 2b, else row 2b. A rejected row's MTP cache entry is
-        rewritten by the next step, like the main caches'. Device work only: graph capturable."""
+        """The target program, then the MTP program on the same rows: at position i (rows
+        (n + 1) b + j of sequence b) the next token t_{i+1} is the target's argmax there (the draft
+        was that token when accepted, the correction when not), the hidden state the target's.
+        Sequence b accepted k_b drafts (the longest prefix equal to the target's argmax), so its
+        next first draft comes from row k_b, and drafts 2..n from the recurrent passes after it
+        (input d_j at position p + j, p = the position after row k_b, hidden = the layer's own
+        previous output), each over one row per sequence. Rejected rows' MTP cache entries, and the
+        recurrent passes', are rewritten by the next step, like the main caches'. Device work
+        only: graph capturable. ``drafts`` [B, n]."""
+        n, w = self.num_draft, self.num_draft + 1
         out = self.engine.run(step, *main_pools)
         target = out.logits.argmax(-1)  # every row has a logits row, in token order
         mtp_step = StepInputs(target, step.positions, step.req_idx, step.page_table, step.slot_mapping,
                               step.logits_indices)
-        nxt = self.engine.draft(mtp_step, out.hidden, self.mla_pools, self.index_pools).logits.argmax(-1)
+        mtp = self.engine.draft(mtp_step, out.hidden, self.mla_pools, self.index_pools)
         pairs = step.page_table.shape[0]
-        ids, target, nxt = (t[: 2 * pairs].view(pairs, 2) for t in (step.input_ids, target, nxt))
-        drafts = torch.where(ids[:, 1] == target[:, 0], nxt[:, 1], nxt[:, 0])
-        return StepOutput(out.logits, out.hidden, drafts)
+        ids, target, nxt = (t[: w * pairs].view(pairs, w) for t in (step.input_ids, target, mtp.logits.argmax(-1)))
+        accepted = (ids[:, 1:] == target[:, :-1]).long().cumprod(1).sum(1, keepdim=True)  # [B, 1]
+        drafts = [nxt.gather(1, accepted)[:, 0]]
+        if n > 1:
+            z = mtp.hidden[: w * pairs].view(pairs, w, -1)
+            z = z.gather(1, accepted[..., None].expand(-1, 1, z.shape[-1]))[:, 0]
+            pos = step.positions[: w * pairs].view(pairs, w).gather(1, accepted)[:, 0] + 1
+            real = step.slot_mapping[: w * pairs].view(pairs, w)[:, 0] >= 0  # padding sequences write nowhere
+            rows = torch.arange(pairs, device=pos.device)
+            width = step.page_table.shape[1]
+            for _ in range(n - 1):
+                page = step.page_table.gather(1, (pos // PAGE_SIZE).clamp(max=width - 1)[:, None])[:, 0]
+                slots = torch.where(real & (pos < self.max_model_len), page.long() * PAGE_SIZE + pos % PAGE_SIZE, -1)
+                nxt_step = StepInputs(drafts[-1], pos, rows.to(step.req_idx.dtype), step.page_table, slots,
+                                      rows.to(step.logits_indices.dtype))
+                o = self._draft_padded(nxt_step, z)
+                drafts.append(o.logits[:pairs].argmax(-1))
+                z, pos = o.hidden[:pairs], pos + 1
+        return StepOutput(out.logits, out.hidden, torch.stack(drafts, 1))
+
+    def _draft_padded(self, inputs: StepInputs, hidden: torch.Tensor) -> StepOutput:
+        """The draft program on a device step, padded to the deterministic mode's row blocks."""
+        if self.pad_to > 1:
+            inputs = inputs.pad_tokens(self.pad_to)
+            extra = inputs.input_ids.shape[0] - hidden.shape[0]
+            if extra:
+                hidden = torch.cat([hidden, hidden.new_zeros(extra, hidden.shape[1])])
+        return self.engine.draft(inputs, hidden, self.mla_pools, self.index_pools)
 
     def run_fused(self, inputs: StepInputs, device_ids: DeviceIds | None, main_pools) -> StepOutput:
         """fused_call on a host step: replayed from a CUDA graph where one is set, else eagerly."""

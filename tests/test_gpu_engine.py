@@ -70,15 +70,23 @@ def test_speculative_steps_replay_cuda_graphs(gpu_engine, monkeypatch):
 
 
 def test_fused_verify_and_draft_replays_one_cuda_graph(gpu_engine, monkeypatch):
-    """DSA_MTP_FUSED=1 (the default): a greedy one-draft verify step and the next step's MTP pass
-    replay as one CUDA graph (runtime/speculative.py fused_call); greedy output equals plain greedy decoding."""
+    """DSA_MTP_FUSED=1 (the default): a greedy verify step and the next step's draft passes (the MTP
+    pass, then n - 1 recurrent ones) replay as one CUDA graph (runtime/speculative.py fused_call);
+    greedy output equals plain greedy decoding, and the drafts are the separate passes' (the same
+    acceptance, deterministic mode)."""
     from dsa_trt.runtime.llm import LLM
 
     plain = _greedy(LLM(gpu_engine, num_pages=64, deterministic=True))
-    monkeypatch.setenv("DSA_MTP_FUSED", "1")
-    llm = LLM(gpu_engine, num_pages=64, speculative="mtp", deterministic=True)
-    assert llm.speculator.fused_graphs is not None
-    assert _greedy(llm) == plain
-    assert llm.speculator.fused_steps > 0 and llm.speculator.fused_graphs.captured, "no fused step replayed a graph"
-    print(f"\n[gpu] fused MTP: {llm.speculator.fused_steps} fused steps, acceptance "
-          f"{llm.spec_stats.acceptance_rate:.1%}, buckets {llm.speculator.fused_graphs.captured}")
+    for n in (1, 3):
+        monkeypatch.setenv("DSA_MTP_FUSED", "0")
+        separate = LLM(gpu_engine, num_pages=64, speculative=f"mtp:{n}", deterministic=True)
+        assert _greedy(separate) == plain, f"mtp:{n}"
+        monkeypatch.setenv("DSA_MTP_FUSED", "1")
+        llm = LLM(gpu_engine, num_pages=64, speculative=f"mtp:{n}", deterministic=True)
+        assert llm.speculator.fused_graphs is not None
+        assert _greedy(llm) == plain, f"fused mtp:{n}"
+        assert llm.speculator.fused_steps > 0 and llm.speculator.fused_graphs.captured, "no fused step replayed a graph"
+        a, b = llm.spec_stats, separate.spec_stats
+        assert (a.drafted, a.accepted) == (b.drafted, b.accepted), f"fused mtp:{n} drafts differ: {a} vs {b}"
+        print(f"\n[gpu] fused MTP:{n}: {llm.speculator.fused_steps} fused steps, acceptance "
+              f"{a.acceptance_rate:.1%}, buckets {llm.speculator.fused_graphs.captured}")

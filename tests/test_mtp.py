@@ -107,11 +107,12 @@ def _corpus_prompts(n: int, lengths: list[int]) -> list[list[int]]:
     return [x[:k] for x, k in zip(ids, lengths)]
 
 
-@pytest.mark.parametrize("spec,fused", [("mtp", "0"), ("mtp", "1"), ("mtp:2", "0")])
+@pytest.mark.parametrize("spec,fused", [("mtp", "0"), ("mtp", "1"), ("mtp:2", "0"), ("mtp:3", "1")])
 def test_greedy_output_equals_plain_decoding(mtp_engine, spec, fused, one_thread, monkeypatch):
     """A batch of prompts (T <= index_topk = 16 and T >> 16), two of them sharing a 64-token prefix
     (a prefix-cache hit), on a pool small enough to preempt: MTP greedy output == plain greedy output,
-    token for token, and drafts are accepted; also with the fused verify + draft step (DSA_MTP_FUSED)."""
+    token for token, and drafts are accepted; also with the fused verify + draft step (DSA_MTP_FUSED),
+    whose recurrent passes (mtp:3) write the MTP cache past the step's rows (reserved pages)."""
     from dsa_trt.runtime.llm import LLM
 
     monkeypatch.setenv("DSA_MTP_FUSED", fused)
@@ -137,6 +138,26 @@ def test_greedy_output_equals_plain_decoding(mtp_engine, spec, fused, one_thread
     assert spec_llm.scheduler.num_preemptions > 0, "no preemption: make the pool smaller"
     # every page is back once the requests are done (accepted or rolled back, none leaked)
     assert spec_llm.pool.num_allocatable == spec_llm.pool.num_pages
+
+
+def test_fused_drafts_equal_the_separate_passes(mtp_engine, one_thread, monkeypatch):
+    """The fused step's recurrent draft passes (mtp:3: drafts 2 and 3 from the layer's own output,
+    at the positions after each sequence's accepted row) draft what the separate passes draft:
+    the same tokens accepted, step for step (deterministic mode)."""
+    from dsa_trt.runtime.llm import LLM
+
+    prompts = _corpus_prompts(3, [9, 40, 100])
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    stats, outs = [], []
+    for fused in ("0", "1"):
+        monkeypatch.setenv("DSA_MTP_FUSED", fused)
+        llm = LLM(mtp_engine, num_pages=16, deterministic=True, speculative="mtp:3")
+        outs.append([o.token_ids for o in llm.generate(prompts, params)])
+        stats.append((llm.spec_stats.drafted, llm.spec_stats.accepted, llm.spec_stats.verify_steps))
+        assert (llm.speculator.fused_steps > 0) == (fused == "1")
+    assert outs[0] == outs[1]
+    assert stats[0] == stats[1], f"separate passes (drafted, accepted, steps) {stats[0]} != fused {stats[1]}"
+    assert stats[1][1] > 0
 
 
 def test_sampling_distribution_end_to_end(mtp_engine, one_thread):

@@ -301,3 +301,18 @@ def test_more_decoding_requests_than_the_budget_take_turns_oldest_first():
     reqs = [(f"r{i}", prompt(2, 20 + i), SamplingParams(temperature=0, max_tokens=4)) for i in range(5)]
     want = run_all(make(num_pages=16), reqs)
     assert run_all(sched, reqs) == want
+
+
+@pytest.mark.parametrize("lookahead,pages", [(0, 1), (2, 2)])
+def test_verify_step_reserves_the_fused_drafts_lookahead(lookahead, pages):
+    """A fused MTP step (runtime/speculative.py) writes the MTP cache up to num_draft - 1 positions
+    past its verify rows: the scheduler allocates their pages with the step's own."""
+    sched = make(num_pages=8, num_draft=3, lookahead=lookahead)
+    req = sched.add("a", prompt(59, 0), SamplingParams(temperature=0, max_tokens=32, ignore_eos=True))
+    sched.update(sched.schedule(), [5])  # the prompt: 59 positions computed, 60 tokens known
+    req.hidden = torch.zeros(req.num_computed - req.mtp_computed, 4)  # its MTP state (the pass's input)
+    step = sched.schedule()
+    (seq,) = step.seqs
+    assert (seq.start, seq.num_tokens, seq.num_draft) == (59, 4, 3)
+    # verify rows 59..62 lie in page 0; the recurrent passes write positions 63 and 64
+    assert len(req.pages) == pages
