@@ -79,8 +79,9 @@ KNOBS: dict[str, Knob] = {k.name: k for k in (
     Knob("DSA_CACHE_FRACTION", "0.5", "fraction of free GPU memory (after the engine loads) for the caches, in (0, 1)",
          _open_float(0.0, 1.0)),
     Knob("DSA_CUDA_GRAPHS", "1", "1: capture decode steps in CUDA graphs; 0: eager launches", _choice("0", "1")),
-    Knob("DSA_MTP_FUSED", "1", "1: a greedy one-draft MTP verify step runs the next step's draft pass in the same call "
-         "(one CUDA graph; H200: 1.13x plain at B=1 where the separate pass gives 0.84x); 0: a draft pass of its own",
+    Knob("DSA_MTP_FUSED", "1", "1: a greedy MTP verify step (n drafts per sequence) runs the next step's draft passes "
+         "in the same call (one CUDA graph; H200, one draft: 1.13x plain at B=1 where the separate pass gives 0.84x); "
+         "0: draft passes of their own",
          _choice("0", "1")),
     Knob("DSA_DETERMINISTIC", "0", "1: pad every step to a multiple of 16 tokens so a request's logits do not "
          "depend on its batch (bitwise on the CPU engine) and run the CUDA fp8 linear and sparse MLA unsplit; 0: off",
