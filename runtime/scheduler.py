@@ -267,9 +267,10 @@ class Scheduler:
             if d and budget < 1 + d:
                 continue  # the verify step waits for budget (its draft count never depends on the batch)
             n = 1 + d if d else min(len(req.token_ids) - req.num_computed, budget)
-            ahead = self.lookahead if d else 0  # never past what the sequence can hold
-            need = max(0, pages_for(min(req.num_computed + n + ahead, max(self.max_model_len, req.num_computed + n)))
-                       - len(req.pages))
+            # a verify step's pages, and those its fused draft passes write ahead (never past what a
+            # sequence can hold: num_computed + n <= max_model_len already); earlier ones may be held
+            ahead = self.lookahead if d else 0
+            need = max(0, pages_for(min(req.num_computed + n + ahead, self.max_model_len)) - len(req.pages))
             while not self.pool.can_allocate(need):
                 victim = self.running[-1]  # most recently arrived
                 budget += plan.pop(victim, 0)
