@@ -327,12 +327,12 @@ class MTPSpeculator:
             pos = step.positions[: w * pairs].view(pairs, w).gather(1, accepted)[:, 0] + 1
             real = step.slot_mapping[: w * pairs].view(pairs, w)[:, 0] >= 0  # padding sequences write nowhere
             rows = torch.arange(pairs, device=pos.device)
+            req_idx, logit_rows = rows.to(step.req_idx.dtype), rows.to(step.logits_indices.dtype)
             width = step.page_table.shape[1]
             for _ in range(n - 1):
                 page = step.page_table.gather(1, (pos // PAGE_SIZE).clamp(max=width - 1)[:, None])[:, 0]
                 slots = torch.where(real & (pos < self.max_model_len), page.long() * PAGE_SIZE + pos % PAGE_SIZE, -1)
-                nxt_step = StepInputs(drafts[-1], pos, rows.to(step.req_idx.dtype), step.page_table, slots,
-                                      rows.to(step.logits_indices.dtype))
+                nxt_step = StepInputs(drafts[-1], pos, req_idx, step.page_table, slots, logit_rows)
                 o = self._draft_padded(nxt_step, z)
                 drafts.append(o.logits[:pairs].argmax(-1))
                 z, pos = o.hidden[:pairs], pos + 1
