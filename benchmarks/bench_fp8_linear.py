@@ -10,7 +10,8 @@ Method (as the other benchmarks, timing.py): random inputs; before every timed c
 (bitwise_not_ over 256 MB); each call captured once in a CUDA graph; median of --iters replays;
 "µs" is the profiler's kernel span of one replay (our row: act_quant, GEMM and reduce together;
 the _scaled_mm anchor is timed on pre-quantised inputs, so it gets the activation quantisation
-for free).
+for free). "GEMM µs": our span from the end of act_quant (the GEMM and reduce; the GEMM's weight
+loads that overlap act_quant are not counted), the like-for-like number beside _scaled_mm's.
 
 Counting: FLOPs = 2*T*N*K; bytes = N*K (e4m3 weight) + 4*ceil(N/128)*ceil(K/128) (its scales)
 + 2*T*K (bf16 x) + 2*T*N (bf16 out). Ceilings of the H200: fp8 dense 1377 TFLOP/s (measured
@@ -23,7 +24,7 @@ of one input as one call) against their parts called one after another, in one C
 shared expert's, a dense layer's), counted as one linear of the
 stacked N (the parts' bytes and FLOPs summed).
 
-Usage: python benchmarks/bench_fp8_linear.py [--quick] [--fused] [--iters 20] [--md out.md]
+Usage: python benchmarks/bench_fp8_linear.py [--quick | --tokens T ...] [--path P] [--fused] [--iters 20] [--md out.md]
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import os
 
 import torch
 
-from timing import time_both_us
+from timing import flush_l2, kernel_span_us, time_both_us
 
 from dsa_trt.plugins import cuda_ops
 from dsa_trt.plugins.kernel_abi import KernelLibrary
@@ -138,10 +139,12 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--quick", action="store_true", help=f"T in {QUICK_TOKENS} only")
+    ap.add_argument("--tokens", type=int, nargs="+", default=None, help="these T only")
     ap.add_argument("--md", type=str, default=None)
     ap.add_argument("--fused", action="store_true", help="the fused projections against their parts instead")
     ap.add_argument("--path", type=str, default=None,
-                    help="DSA_FP8_LINEAR_PATH for this run (auto, tma, tma-nomc, tma-pipe, tma-store, tma-swap, legacy)")
+                    help="DSA_FP8_LINEAR_PATH for this run (auto, tma, tma-nomc, tma-pipe, tma-store, tma-wide, tma-swap, "
+                         "legacy)")
     args = ap.parse_args()
     if args.path is not None:
         os.environ["DSA_FP8_LINEAR_PATH"] = args.path  # the library reads it at every launch
@@ -158,37 +161,42 @@ def main() -> None:
             with open(args.md, "w") as f:
                 f.write("\n".join(rows) + "\n")
         return
-    header = ("| shape (N x K) | T | path | µs | TFLOP/s | TB/s | % of roofline | bf16 matmul µs | _scaled_mm µs | "
-              "vs _scaled_mm |")
-    rows = [header, "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+    header = ("| shape (N x K) | T | path | µs | TFLOP/s | TB/s | % of roofline | GEMM µs | bf16 matmul µs | "
+              "_scaled_mm µs | vs _scaled_mm | GEMM vs _scaled_mm |")
+    rows = [header, "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    tokens = args.tokens or (QUICK_TOKENS if args.quick else TOKENS)
     print("\n".join(rows), flush=True)
     for name, n, k in SHAPES:
         w8, ws = random_weight(n, k, g)
         wb = w8.to(torch.bfloat16)
-        for t in (QUICK_TOKENS if args.quick else TOKENS):
+        for t in tokens:
             label = f"{name} {n}x{k} | {t} | {lib.linear_path(t, n, k)}"
             try:
                 x = torch.randn(t, k, generator=g, device="cuda").to(torch.bfloat16)
                 flops, nbytes = count_flops_and_bytes(t, n, k)
-                ev, us = time_both_us(Linear(x, w8, ws), flush_buf, args.iters)
+                op = Linear(x, w8, ws)
+                ev, us = time_both_us(op, flush_buf, args.iters)
                 us = us if us is not None else ev
+                gemm_us = kernel_span_us(op, lambda: flush_l2(flush_buf), args.iters, after="act_quant")
                 roof = max(flops / (FP8_TFLOPS * 1e12), nbytes / (HBM_TBPS * 1e12)) * 1e6
                 ob = torch.empty(t, n, device="cuda", dtype=torch.bfloat16)
                 bev, bus = time_both_us(lambda: torch.matmul(x, wb.t(), out=ob), flush_buf, args.iters)
                 bus = bus if bus is not None else bev
                 fn, why = scaled_mm_fn(x, w8, ws)
                 if fn is None:
-                    smm, ratio = f"UNSUPPORTED ({why})", "—"
+                    smm, ratio, gemm_ratio = f"UNSUPPORTED ({why})", "—", "—"
                 else:
                     sev, sus = time_both_us(fn, flush_buf, args.iters)
                     sus = sus if sus is not None else sev
                     smm, ratio = f"{sus:.1f}", f"{sus / us:.2f}x"
+                    gemm_ratio = f"{sus / gemm_us:.2f}x" if gemm_us else "—"
+                gemm = f"{gemm_us:.1f}" if gemm_us else "—"
                 row = (f"| {label} | {us:.1f} | {flops / us / 1e6:.1f} | {nbytes / us / 1e6:.2f} | "
-                       f"{100 * roof / us:.1f} | {bus:.1f} | {smm} | {ratio} |")
+                       f"{100 * roof / us:.1f} | {gemm} | {bus:.1f} | {smm} | {ratio} | {gemm_ratio} |")
             except torch.OutOfMemoryError:
-                row = f"| {label} | OOM | | | | | | |"
+                row = f"| {label} | OOM | | | | | | | | |"
             except (RuntimeError, ValueError) as e:  # the op's refusals: NotImplementedError, ValueError
-                row = f"| {label} | UNSUPPORTED ({str(e)[:100]}) | | | | | | |"
+                row = f"| {label} | UNSUPPORTED ({str(e)[:100]}) | | | | | | | | |"
             torch.cuda.empty_cache()
             rows.append(row)
             print(row, flush=True)

@@ -59,11 +59,14 @@ def kernel_names(fn) -> tuple[str, ...]:
     return tuple(sorted({e.name() for e in prof.profiler.kineto_results.events() if e.device_type() == DeviceType.CUDA}))
 
 
-def kernel_span_us(run, flush, iters: int, flush_kernels: tuple[str, ...] = ("bitwise_not",)) -> float | None:
+def kernel_span_us(run, flush, iters: int, flush_kernels: tuple[str, ...] = ("bitwise_not",),
+                   after: str | None = None) -> float | None:
     """Median over iters of the GPU span of one call: first kernel start to last kernel end, read
     from the CUDA profiler (CUPTI via torch.profiler), each call after flush() (a kernel whose name
     holds one of flush_kernels separates the calls). This is how the peers' anchors were measured
-    (the peers' published timing method). None if the profiler saw no kernel of the call."""
+    (the peers' published timing method). None if the profiler saw no kernel of the call.
+    after: the span starts where the call's last kernel whose name holds it ends instead (e.g. the
+    GEMM of a linear without its activation quantiser)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -75,15 +78,17 @@ def kernel_span_us(run, flush, iters: int, flush_kernels: tuple[str, ...] = ("bi
         torch.cuda.synchronize()
     events = sorted((e for e in prof.profiler.kineto_results.events() if e.device_type() == DeviceType.CUDA),
                     key=lambda e: e.start_ns())
-    spans, first, last = [], None, None
+    spans, first, last, mark = [], None, None, None
     for e in events + [None]:  # None closes the last call
         if e is None or any(f in e.name() for f in flush_kernels):  # the flush separates the calls
             if first is not None:
-                spans.append((last - first) / 1e3)
-            first = last = None
+                spans.append((last - (first if mark is None else mark)) / 1e3)
+            first = last = mark = None
         else:
             first = e.start_ns() if first is None else min(first, e.start_ns())
             last = e.end_ns() if last is None else max(last, e.end_ns())
+            if after is not None and after in e.name():
+                mark = e.end_ns() if mark is None else max(mark, e.end_ns())
     return statistics.median(spans) if len(spans) >= max(1, iters // 2) else None
 
 
