@@ -41,7 +41,6 @@ def test_auto_paths(lib, monkeypatch):
 
 @pytest.mark.parametrize("knob,prefix", [("tma", "tma 128x128 "), ("tma-nomc", "tma-nomc 128x128 split"),
                                          ("tma-pipe", "tma-pipe 128x128 x2 "), ("tma-store", "tma-store 128x128 x2 "),
-                                         ("tma-wide", "tma-wide 192x128 x2 split 1"),
                                          ("tma-swap", "tma-swap 128x64 "), ("legacy", "legacy 128x128 "),
                                          ("auto", "tma-store 128x128 x2 ")])
 def test_forced_paths(lib, monkeypatch, knob, prefix):

@@ -7,7 +7,7 @@ take minutes). Runs on the H200; skips without CUDA. The reference itself is che
 float64 recipe in tests/test_fp8_ops.py.
 
 Every GEMM of the linear is forced in turn (DSA_FP8_LINEAR_PATH = tma, tma-nomc, tma-pipe,
-tma-store, tma-wide, tma-swap, legacy; the kernel library reads it at each launch) on designed shapes: partial N and K blocks
+tma-store, tma-swap, legacy; the kernel library reads it at each launch) on designed shapes: partial N and K blocks
 (K a multiple of 16, as the kernels require), T in {1, 3, 64, 129, 300, 4096}, K splits; the
 automatic choice runs every real V3.2 shape (which plan each T gets: tests/test_fp8_linear_plan.py, on any machine).
 
@@ -39,7 +39,7 @@ pytestmark = [
 
 DEV = "cuda"
 PATH_KNOB = "DSA_FP8_LINEAR_PATH"
-LINEAR_PATHS = ["tma", "tma-nomc", "tma-pipe", "tma-store", "tma-wide", "tma-swap", "legacy"]
+LINEAR_PATHS = ["tma", "tma-nomc", "tma-pipe", "tma-store", "tma-swap", "legacy"]
 TC_ACCUMULATION = 2.0**-12  # of sum |x||w|: the fp8 tensor core's running sum (see above)
 
 # V3.2 (N, K): q_a, q_b, kv_a, kv_b, o_proj, indexer wq_b, dense gate+up, dense down
@@ -123,9 +123,7 @@ def check_linear(tokens: int, n: int, k: int, pow2: bool, seed: int, case: str, 
 
 
 # (N, K) with partial N and K blocks (K % 16 == 0); (64, 1008): one weight tile, so K is split;
-# (200, 256): a partial second 64-column half of the last weight tile (tma-store clips it);
-# tma-wide's 192-row tiles: (300, 384) and (576, 208) have a tile starting mid scale block (row 192),
-# (200, 256) one whose second scale block lies past N
+# (200, 256): a partial second 64-column half of the last weight tile (tma-store clips it)
 DESIGNED_SHAPES = [(576, 208), (300, 384), (64, 1008), (200, 256)]
 LINEAR_CASES = [(t, n, k, p) for t in (1, 3, 64, 129) for (n, k) in DESIGNED_SHAPES for p in (True, False)] + [
     (4096, 192, 208, True), (4096, 576, 7168, False), (4096, 300, 1008, True)]
@@ -210,7 +208,7 @@ def test_prefill_paths_agree_bitwise(monkeypatch, tokens, n, k):
     w, s = random_fp8_weight(n, k, g, True)
     monkeypatch.setenv("DSA_FP8_LINEAR_SPLITS", "1")
     outs = {}
-    for path in ("tma", "tma-nomc", "tma-pipe", "tma-store", "tma-wide"):
+    for path in ("tma", "tma-nomc", "tma-pipe", "tma-store"):
         monkeypatch.setenv(PATH_KNOB, path)
         outs[path] = torch.ops.dsa.fp8_block_linear(x, w, s, True)
     for path, out in outs.items():

@@ -116,31 +116,25 @@ struct WsArgs {
 };
 
 // kTmaStore (the linear's prefill tile, bf16 out, DSA_FP8_LINEAR_PATH=tma-store): the staging
-// tile is [BW / 64 column chunks][64 rows][64 columns] per consumer warpgroup, 128-byte swizzled,
-// and one thread stores it with BW / 64 TMA stores instead of 128 threads' row segments.
-// BW: weight rows per tile, 128, or 192 for the wide prefill tile (tma-wide: TMA-store epilogue,
-// the plain mainloop; a consumer runs m64n192k32 and its 96 + 96 fp32 registers leave no room for
-// kPipe's second accumulator set). Per K block a 128 x BW tile's wgmmas read 2 x (8 KB + BW x 128 B)
-// of shared memory and TMA writes 16 KB + BW x 128 B: 80 KB per 512 tensor-core cycles at BW = 128,
-// 104 KB per 768 at BW = 192, against the SM's 128 bytes per cycle.
-template <bool kSwap, int BT, bool kTmaStore = false, int BW = kTileM>
+// tile is [2 column halves][64 rows][64 columns] per consumer warpgroup, 128-byte swizzled, and
+// one thread stores it with two TMA stores instead of 128 threads' row segments.
+template <bool kSwap, int BT, bool kTmaStore = false>
 struct WsTile {
   static_assert(kSwap ? (BT == 8 || BT == 16 || BT == 32 || BT == 64) : BT == 128, "token tile width");
   static_assert(!(kSwap && kTmaStore), "the TMA-store epilogue is the prefill tile's");
-  static_assert(BW == kTileM || (BW == 192 && !kSwap && kTmaStore), "the wide tile is tma-store's");
-  static constexpr int kW = BW * kBlock;      // weight tile bytes (16 or 24 KB)
+  static constexpr int kW = kTileM * kBlock;  // weight tile bytes (16 KB)
   static constexpr int kX = BT * kBlock;      // token tile bytes (a multiple of 1024)
   static constexpr int kS = 1024;             // BT scales, padded so stages stay 1024-aligned
   static constexpr int kStage = kW + kX + kS;
   static constexpr uint32_t kTxBytes = kW + kX;  // what TMA writes per stage (boxes, OOB included) + the scale box
-  static constexpr int kAcc = (kSwap ? BT : BW) / 2;  // fp32 accumulators per consumer thread
+  static constexpr int kAcc = (kSwap ? BT : kTileM) / 2;  // fp32 accumulators per consumer thread
   // bf16 staging: kSwap, [BT tokens][128 weight rows + pad] (transposed); else per consumer
   // warpgroup [64 tokens][128 weight rows + pad]
   static constexpr int kEpiRows = kSwap ? BT : 2 * 64;
-  static constexpr int kEpi = kTmaStore ? 2 * 64 * BW * 2 : kEpiRows * (kTileM + kEpiPad) * 2;
+  static constexpr int kEpi = kTmaStore ? 2 * 64 * kTileM * 2 : kEpiRows * (kTileM + kEpiPad) * 2;
   // Decode streams the weight: as many stages as fit (8..12, 128-192 KB of loads in flight per
   // SM, and as much weight prefetched while the quantiser runs); prefill needs fewer.
-  static constexpr int kStages = kSwap ? (220 * 1024 - kEpi) / kStage : BW == kTileM ? 5 : 4;
+  static constexpr int kStages = kSwap ? (220 * 1024 - kEpi) / kStage : 5;
   static constexpr int kBars = 2 * kStages * 8;
   static constexpr int kSmem = kStages * kStage + kEpi + kBars + 1024;  // + alignment slack
   static_assert((BT + 4) * 4 <= kS, "scales must fit their slot");
@@ -236,18 +230,14 @@ struct Unit {
   int w_tile, w_row, t_load, kb_begin, kb_end;
   int64_t t_row, t_end;
   const float* ws;
-  // BW = 192: a tile spans two weight-scale row blocks, ws for its columns [0, split_col), ws2 after
-  const float* ws2;
-  int split_col;
 };
 // Units of the grid: the linear's static count, or the grouped GEMM's from the device.
 __device__ __forceinline__ int units_of(const WsArgs& g) {
   return g.tile_expert != nullptr ? *g.num_tiles * g.w_tiles : g.w_tiles * g.t_groups * g.splits;
 }
-template <int BT, int kMc, int BW = kTileM>
+template <int BT, int kMc>
 __device__ __forceinline__ Unit unit_of(const WsArgs& g, int u, int rank) {
   Unit r;
-  r.split_col = kTileM;
   if (g.tile_expert != nullptr) {  // grouped: kMc = 1, one split (the host's launch checks)
     const int tile = u / g.w_tiles, e = g.tile_expert[tile];
     r.w_tile = u % g.w_tiles;
@@ -257,7 +247,6 @@ __device__ __forceinline__ Unit unit_of(const WsArgs& g, int u, int rank) {
     r.kb_begin = 0;
     r.kb_end = g.nkb;
     r.ws = g.w_scale + e * g.ws_expert_stride + static_cast<int64_t>(r.w_tile) * g.nkb;
-    r.ws2 = r.ws;
     return r;
   }
   const int split = u % g.splits, v = u / g.splits;
@@ -266,51 +255,32 @@ __device__ __forceinline__ Unit unit_of(const WsArgs& g, int u, int rank) {
   const int gsize = min(g.w_tiles - first_w, kGroupW);
   const int in_group = v % per_group;
   r.w_tile = first_w + in_group % gsize;
-  r.w_row = r.w_tile * BW;
+  r.w_row = r.w_tile * kTileM;
   const int t_tile = (in_group / gsize) * kMc + rank;
   r.t_row = static_cast<int64_t>(t_tile) * BT;  // >= rows for a CTA past the last tile
   r.t_load = min(t_tile, g.t_tiles - 1) * BT;
   r.t_end = g.rows;
   r.kb_begin = split * g.kb_per_split;
   r.kb_end = min(g.nkb, r.kb_begin + g.kb_per_split);
-  const int nb = r.w_row / kBlock;  // the weight-scale row block of the tile's first row
-  r.ws = g.w_scale + static_cast<int64_t>(nb) * g.nkb;
-  r.ws2 = (nb + 1) * kBlock < g.n ? r.ws + g.nkb : r.ws;  // none past N: those columns are not stored
-  if constexpr (BW != kTileM) r.split_col = kBlock - r.w_row % kBlock;
+  r.ws = g.w_scale + static_cast<int64_t>(r.w_tile) * g.nkb;
   return r;
-}
-
-// promote_by_row over a tile of two weight-scale blocks: the 8-column groups j < j_split scale by
-// (a_lo, a_hi), the rest by (b_lo, b_hi); the same fp32 products and fmas as promote_by_row.
-template <int R>
-__device__ __forceinline__ void promote_by_row_split(float (&total)[R], const float (&acc)[R], float a_lo, float a_hi,
-                                                     float b_lo, float b_hi, int j_split) {
-#pragma unroll
-  for (int j = 0; j < R / 4; ++j) {
-    const bool first = j < j_split;
-    const float lo = first ? a_lo : b_lo, hi = first ? a_hi : b_hi;
-    total[4 * j + 0] = fmaf(acc[4 * j + 0], lo, total[4 * j + 0]);
-    total[4 * j + 1] = fmaf(acc[4 * j + 1], lo, total[4 * j + 1]);
-    total[4 * j + 2] = fmaf(acc[4 * j + 2], hi, total[4 * j + 2]);
-    total[4 * j + 3] = fmaf(acc[4 * j + 3], hi, total[4 * j + 3]);
-  }
 }
 
 // ---------------------------------------------------------------- roles
 // kMc = 2: this CTA (rank) loads its token tile, its scales and weight rows [64 rank, +64) of the
 // shared weight tile, the latter multicast into both CTAs; a stage is refilled once the consumers
 // of both CTAs released it (each consumer warp arrives on both CTAs' empty barriers).
-template <bool kSwap, int BT, int kMc, bool kTmaStore, int BW>
+template <bool kSwap, int BT, int kMc, bool kTmaStore>
 __device__ __forceinline__ void producer(const WsArgs& g, const CUtensorMap* map_w, const CUtensorMap* map_x,
                                          const CUtensorMap* map_s, uint8_t* smem, uint32_t full0, uint32_t empty0,
                                          int units, int cluster, int clusters, int rank) {
-  using L = WsTile<kSwap, BT, kTmaStore, BW>;
+  using L = WsTile<kSwap, BT, kTmaStore>;
   constexpr int S = L::kStages;
   const uint32_t base = smem_u32(smem);
   tma_prefetch_desc(map_w);
   tma_prefetch_desc(map_x);
   tma_prefetch_desc(map_s);
-  constexpr int kWRows = BW / kMc;  // weight rows this CTA loads per stage
+  constexpr int kWRows = kTileM / kMc;  // weight rows this CTA loads per stage
   const uint32_t w_off = rank * kWRows * kBlock;
   auto load_w = [&](uint32_t st, uint32_t full, int kb, int w_row) {
     if constexpr (kMc == 1)
@@ -324,7 +294,7 @@ __device__ __forceinline__ void producer(const WsArgs& g, const CUtensorMap* map
   // (The expect_tx covers the whole stage: a peer's multicast may land before or after it.)
   int pre = 0;
   for (int u = cluster; u < units && pre < S; u += clusters) {
-    const Unit w = unit_of<BT, kMc, BW>(g, u, rank);
+    const Unit w = unit_of<BT, kMc>(g, u, rank);
     for (int kb = w.kb_begin; kb < w.kb_end && pre < S; ++kb, ++pre) {
       mbar_arrive_expect_tx(full0 + 8 * pre, L::kTxBytes + 4 * g.s_box);
       load_w(base + pre * L::kStage, full0 + 8 * pre, kb, w.w_row);
@@ -334,7 +304,7 @@ __device__ __forceinline__ void producer(const WsArgs& g, const CUtensorMap* map
   int i = 0, s = 0;
   uint32_t phase = 0;
   for (int u = cluster; u < units; u += clusters) {
-    const Unit w = unit_of<BT, kMc, BW>(g, u, rank);
+    const Unit w = unit_of<BT, kMc>(g, u, rank);
     for (int kb = w.kb_begin; kb < w.kb_end; ++kb, ++i) {
       const uint32_t full = full0 + 8 * s, st = base + s * L::kStage;
       if (i >= pre) {
@@ -358,10 +328,10 @@ __device__ __forceinline__ void producer(const WsArgs& g, const CUtensorMap* map
 // while it promotes, releases and waits for the next stage. Without it both warpgroups wait on
 // the same full barrier, issue, drain (wait<0>) and promote in lock-step, and the tensor cores
 // idle for every promotion. Costs 64 more registers per thread (3 x 64 fp32 of 232).
-template <bool kSwap, int BT, bool kF32Out, int kMc, bool kPipe, bool kTmaStore, int BW>
+template <bool kSwap, int BT, bool kF32Out, int kMc, bool kPipe, bool kTmaStore>
 __device__ __forceinline__ void consumer(const WsArgs& g, const CUtensorMap* map_o, uint8_t* smem, uint32_t full0,
                                          uint32_t empty0, int units, int c, int cluster, int clusters, int rank) {
-  using L = WsTile<kSwap, BT, kTmaStore, BW>;
+  using L = WsTile<kSwap, BT, kTmaStore>;
   constexpr int S = L::kStages, R = L::kAcc;
   constexpr int kOutRow = kTileM + kEpiPad;
   const int ct = threadIdx.x - 128 * (c + 1), warp = ct >> 5, lane = ct & 31;
@@ -389,7 +359,7 @@ __device__ __forceinline__ void consumer(const WsArgs& g, const CUtensorMap* map
     }
   };
   for (int u = cluster; u < units; u += clusters) {
-    const Unit w = unit_of<BT, kMc, BW>(g, u, rank);
+    const Unit w = unit_of<BT, kMc>(g, u, rank);
     const float* ws = w.ws;
     const int s_off = w.t_load & 3;  // where this tile's scales start in the stage's scale box
     float total[R], acc[R];
@@ -453,8 +423,6 @@ __device__ __forceinline__ void consumer(const WsArgs& g, const CUtensorMap* map
     }
     for (int kb = w.kb_begin; !kPipe && kb < w.kb_end; ++kb) {
       const float sw = __ldg(ws + kb);
-      float sw2 = 0.f;  // BW = 192: the scale of the tile's columns from split_col on
-      if constexpr (BW != kTileM) sw2 = __ldg(w.ws2 + kb);
       uint8_t* st = smem + s * L::kStage;
       mbar_wait(full0 + 8 * s, phase);
       // wgmma A: this warpgroup's 64 rows of the M operand; B: the whole N operand
@@ -463,7 +431,7 @@ __device__ __forceinline__ void consumer(const WsArgs& g, const CUtensorMap* map
 #pragma unroll
       for (int j = 0; j < R; ++j) dsa_fp8::fence_operand(acc[j]);
       dsa_wgmma::wgmma_fence();
-      constexpr int kN = kSwap ? BT : BW;
+      constexpr int kN = kSwap ? BT : kTileM;
       dsa_wgmma::ss_k128<kN>(acc, da, db);
       dsa_wgmma::wgmma_commit();
       dsa_wgmma::wgmma_wait<0>();
@@ -478,21 +446,16 @@ __device__ __forceinline__ void consumer(const WsArgs& g, const CUtensorMap* map
         release(s);
 #pragma unroll
         for (int j = 0; j < BT / 8; ++j) dsa_fp8::promote_by_column(total, acc, j, sw * s2[j].x, sw * s2[j].y);
-      } else if constexpr (BW == kTileM) {
+      } else {
         const float s0 = sw * sx[r_lo], s1 = sw * sx[r_lo + 8];
         release(s);
         dsa_fp8::promote_by_row(total, acc, s0, s1);
-      } else {
-        const float x0 = sx[r_lo], x1 = sx[r_lo + 8];
-        const float a0 = sw * x0, a1 = sw * x1, b0 = sw2 * x0, b1 = sw2 * x1;
-        release(s);
-        promote_by_row_split(total, acc, a0, a1, b0, b1, w.split_col / 8);
       }
       advance();
     }
 
     // ------------------------------------------------ epilogue
-    const int n0 = w.w_tile * BW;  // output columns of the tile (of its expert)
+    const int n0 = w.w_tile * kTileM;  // output columns of the tile (of its expert)
     const int64_t t0 = w.t_row, t_end = w.t_end;
     if constexpr (kF32Out) {
       // partial slab of this split: [rows][part_stride] fp32, columns past N land in the padding
@@ -523,7 +486,7 @@ __device__ __forceinline__ void consumer(const WsArgs& g, const CUtensorMap* map
       // bf16 pairs into the swizzled staging tile (16-byte chunk q of row r at q ^ (r & 7), as
       // SWIZZLE_128B reads it: a warp's 32 stores hit 32 banks), then two 64 x 64 TMA stores;
       // rows past T and columns past N are clipped by the tensor map
-      uint8_t* tile = reinterpret_cast<uint8_t*>(epi) + c * 64 * BW * 2;
+      uint8_t* tile = reinterpret_cast<uint8_t*>(epi) + c * 64 * kTileM * 2;
       const uint32_t bar_id = 2 + c;
       if (ct == 0) tma_store_wait_read();  // the previous unit's stores have read the tile
       named_bar_sync(bar_id, 128);
@@ -542,10 +505,8 @@ __device__ __forceinline__ void consumer(const WsArgs& g, const CUtensorMap* map
       named_bar_sync(bar_id, 128);
       const int64_t row0 = t0 + 64 * c;
       if (ct == 0 && row0 < t_end) {
-#pragma unroll
-        for (int q = 0; q < BW / 64; ++q)
-          if (q == 0 || n0 + 64 * q < g.n)
-            tma_store_2d(map_o, smem_u32(tile + q * 64 * 128), n0 + 64 * q, static_cast<int>(row0));
+        tma_store_2d(map_o, smem_u32(tile), n0, static_cast<int>(row0));
+        if (n0 + 64 < g.n) tma_store_2d(map_o, smem_u32(tile + 64 * 128), n0 + 64, static_cast<int>(row0));
         tma_store_commit();
       }
     } else {
@@ -593,14 +554,13 @@ __device__ __forceinline__ void consumer(const WsArgs& g, const CUtensorMap* map
   }
 }
 
-template <bool kSwap, int BT, bool kF32Out, int kMc, bool kPipe = false, bool kTmaStore = false, int BW = kTileM>
+template <bool kSwap, int BT, bool kF32Out, int kMc, bool kPipe = false, bool kTmaStore = false>
 __global__ void __launch_bounds__(kThreads, 1)
     fp8_gemm_ws_kernel(const WsArgs g, const __grid_constant__ CUtensorMap map_w,
                        const __grid_constant__ CUtensorMap map_x, const __grid_constant__ CUtensorMap map_s,
                        const __grid_constant__ CUtensorMap map_o) {
   static_assert(kMc == 1 || (kMc == 2 && !kSwap), "multicast pairs prefill CTAs only");
-  static_assert(BW == kTileM || (!kPipe && !kF32Out), "the wide tile: plain mainloop, bf16 out");
-  using L = WsTile<kSwap, BT, kTmaStore, BW>;
+  using L = WsTile<kSwap, BT, kTmaStore>;
   extern __shared__ uint8_t smem_raw[];
   uint8_t* smem = dsa_fp8::align_smem_1024(smem_raw);
   const uint32_t full0 = smem_u32(smem + L::kStages * L::kStage + L::kEpi);
@@ -625,7 +585,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (threadIdx.x < 128) {
     setmaxnreg_dec<kProducerRegs>();
     if (threadIdx.x == 0)
-      producer<kSwap, BT, kMc, kTmaStore, BW>(g, &map_w, &map_x, &map_s, smem, full0, empty0, units, cluster, clusters, rank);
+      producer<kSwap, BT, kMc, kTmaStore>(g, &map_w, &map_x, &map_s, smem, full0, empty0, units, cluster, clusters, rank);
     // the rest of the producer warpgroup has no work (its dependents may launch: no global access)
     else asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
   } else {
@@ -633,7 +593,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     // Consumers read only what the producer's TMA loads (ordered by the mbarriers) and w_scale
     // (not written by the quantiser); their output stores follow the producer's wait.
     asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-    consumer<kSwap, BT, kF32Out, kMc, kPipe, kTmaStore, BW>(g, &map_o, smem, full0, empty0, units, threadIdx.x / 128 - 1, cluster, clusters, rank);
+    consumer<kSwap, BT, kF32Out, kMc, kPipe, kTmaStore>(g, &map_o, smem, full0, empty0, units, threadIdx.x / 128 - 1, cluster, clusters, rank);
   }
   // No CTA leaves while its peer may still arrive on its barriers (every multicast into this CTA
   // was consumed here already: its consumers waited for the stages).

@@ -7,9 +7,6 @@
 //      - "tma-store" (T > 64, prefill): fp8_gemm_ws.cuh, 128 tokens x 128 weight rows per tile,
 //        CTAs in pairs (clusters of 2) on adjacent token tiles sharing the weight tile by
 //        multicast, the pipelined mainloop (kPipe), bf16 tiles out by TMA stores (kTmaStore);
-//      - "tma-wide" (forced only, for now): tma-store's tile widened to 192 weight rows (m64n192k32,
-//        the plain mainloop: 96 + 96 fp32 registers leave no room for a second accumulator set),
-//        fewer shared-memory bytes per MMA (fp8_gemm_ws.cuh WsTile); unsplit only;
 //      - "tma-swap" (T <= 64, decode, bound by the weight read): fp8_gemm_ws.cuh swapped, 128
 //        weight rows x BT tokens (BT = 8..64);
 //      - "legacy" (only when forced, below): fp8_gemm.cuh's cp.async swap-AB tile, the MoE's core.
@@ -26,8 +23,7 @@
 // (the prefill tile without pairs), "tma-pipe" (the prefill tile, pairs, its consumers keeping
 // the next K block's wgmmas in flight while promoting: fp8_gemm_ws.cuh kPipe), "tma-store"
 // (tma-pipe whose bf16 tiles leave by TMA stores: kTmaStore; unsplit, 16-byte rows, else
-// tma-pipe's epilogue), "tma-wide" (192-row tiles; tma-pipe where the output rows are not 16-byte
-// aligned), "tma-swap" or
+// tma-pipe's epilogue), "tma-swap" or
 // "legacy" forces that GEMM at every T. DSA_FP8_LINEAR_SPLITS=N caps the K splits at N (the
 // deterministic mode sets 1: runtime/knobs.py deterministic_kernels). Both read at every launch.
 #include <stdio.h>
@@ -101,7 +97,7 @@ __global__ void __launch_bounds__(256) splitk_reduce_kernel(const float* __restr
 }
 
 // ---------------------------------------------------------------- plan
-enum class Path { kAuto, kTma, kTmaNoMc, kTmaPipe, kTmaStore, kTmaWide, kTmaSwap, kLegacy };
+enum class Path { kAuto, kTma, kTmaNoMc, kTmaPipe, kTmaStore, kTmaSwap, kLegacy };
 
 constexpr int kSwapMaxTokens = 64;  // the widest swapped token tile
 constexpr int kPlanSms = 132;       // H200 SMs: the plan must not depend on the device (workspace size)
@@ -115,7 +111,6 @@ constexpr double kStepBytes = kPlanSms * 16384.0;  // bytes the GPU moves per st
 
 struct LinearPlan {
   Path path;
-  int bw;             // weight rows per tile: 128, or 192 (tma-wide)
   int bt, splits, kb_per_split, nkb, w_tiles, t_tiles;
   int mc, t_groups;   // CTAs per cluster sharing a weight tile (multicast), token tiles per cluster unit
   int64_t t_pad;      // scale rows of the transposed layout (T rounded up to 4: 16-byte rows)
@@ -179,18 +174,15 @@ static LinearPlan plan_linear(int64_t t, int n, int k, Path forced, int max_spli
   n = std::max(n, 1);
   p.nkb = static_cast<int>(dsa_ceil_div(std::max(k, 1), kBlock));
   p.path = forced != Path::kAuto ? forced : (t <= kSwapMaxTokens ? Path::kTmaSwap : Path::kTmaStore);
-  const bool square = p.path != Path::kTmaSwap && p.path != Path::kLegacy;  // the prefill tile, 128 tokens
+  const bool square = p.path != Path::kTmaSwap && p.path != Path::kLegacy;  // the 128 x 128 prefill tile
   p.bt = square ? kTileM : std::min(pick_bn(t), p.path == Path::kTmaSwap ? kSwapMaxTokens : kTileM);
-  p.bw = p.path == Path::kTmaWide ? 192 : kTileM;
-  p.w_tiles = static_cast<int>(dsa_ceil_div(n, p.bw));
+  p.w_tiles = static_cast<int>(dsa_ceil_div(n, kTileM));
   p.t_tiles = static_cast<int>(dsa_ceil_div(std::max<int64_t>(t, 1), p.bt));
   // prefill pairs CTAs on adjacent token tiles: each loads half the weight tile for both
   p.mc = square && p.path != Path::kTmaNoMc && p.t_tiles >= 2 ? 2 : 1;
   p.t_groups = static_cast<int>(dsa_ceil_div(p.t_tiles, p.mc));
   const int64_t tiles = static_cast<int64_t>(p.w_tiles) * p.t_tiles;
-  int splits = p.path == Path::kLegacy    ? pick_splits_legacy(tiles, p.nkb)
-               : p.path == Path::kTmaWide ? 1  // its TMA-store epilogue writes bf16 only
-                                          : pick_splits_tma(tiles, p.nkb, t, n);
+  int splits = p.path == Path::kLegacy ? pick_splits_legacy(tiles, p.nkb) : pick_splits_tma(tiles, p.nkb, t, n);
   p.part_stride = p.path == Path::kLegacy ? n : (n + 3) / 4 * 4;
   const size_t slab = std::max<size_t>(static_cast<size_t>(t) * p.part_stride * sizeof(float), 1);
   splits = static_cast<int>(std::min<size_t>(splits, partial_budget(t, (n + 3) / 4 * 4) / slab));
@@ -214,12 +206,11 @@ static int forced_path(Path* out) {
   else if (strcmp(e, "tma-nomc") == 0) *out = Path::kTmaNoMc;
   else if (strcmp(e, "tma-pipe") == 0) *out = Path::kTmaPipe;
   else if (strcmp(e, "tma-store") == 0) *out = Path::kTmaStore;
-  else if (strcmp(e, "tma-wide") == 0) *out = Path::kTmaWide;
   else if (strcmp(e, "tma-swap") == 0) *out = Path::kTmaSwap;
   else if (strcmp(e, "legacy") == 0) *out = Path::kLegacy;
   else
     return dsa_set_error(DSA_ERR_INVALID_ARG,
-                         "fp8_block_linear: DSA_FP8_LINEAR_PATH=%s unknown (auto, tma, tma-nomc, tma-pipe, tma-store, tma-wide, "
+                         "fp8_block_linear: DSA_FP8_LINEAR_PATH=%s unknown (auto, tma, tma-nomc, tma-pipe, tma-store, "
                          "tma-swap, legacy)",
                          e);
   return DSA_OK;
@@ -323,11 +314,11 @@ static int resident_clusters(Kernel kernel, int mc, int smem, int dev, int* out)
   return DSA_OK;
 }
 
-template <bool kSwap, int BT, bool kF32Out, int kMc, bool kPipe = false, bool kTmaStore = false, int BW = kTileM>
+template <bool kSwap, int BT, bool kF32Out, int kMc, bool kPipe = false, bool kTmaStore = false>
 static int launch_ws(const dsa_fp8_ws::WsArgs& g, const CUtensorMap& mw, const CUtensorMap& mx,
                      const CUtensorMap& ms, const CUtensorMap& mo, cudaStream_t stream) {
-  auto kernel = dsa_fp8_ws::fp8_gemm_ws_kernel<kSwap, BT, kF32Out, kMc, kPipe, kTmaStore, BW>;
-  constexpr int smem = dsa_fp8_ws::WsTile<kSwap, BT, kTmaStore, BW>::kSmem;
+  auto kernel = dsa_fp8_ws::fp8_gemm_ws_kernel<kSwap, BT, kF32Out, kMc, kPipe, kTmaStore>;
+  constexpr int smem = dsa_fp8_ws::WsTile<kSwap, BT, kTmaStore>::kSmem;
   const int st = dsa_kernel_attributes("fp8_block_linear", reinterpret_cast<const void*>(kernel), smem);
   if (st != DSA_OK) return st;
   int dev = 0, slots = 0;
@@ -365,15 +356,9 @@ static int tma_gemm(const DsaFp8BlockLinearParams* p, const LinearPlan& plan, co
                 "fp8_block_linear: weight_scale=%p not 4-byte aligned", p->weight_scale);
   const int64_t t = p->num_tokens;
   const int bt = plan.bt;
-  const bool split = plan.splits > 1;
-  const bool vec_store = (reinterpret_cast<uintptr_t>(p->out) & 15) == 0 && p->out_stride % 8 == 0;
-  // the bf16 output as TMA stores see it (tma-store / tma-wide, unsplit, 16-byte rows); else unused,
-  // and tma-wide without 16-byte rows runs tma-pipe's 128-row tile
-  const bool tma_store = (plan.path == Path::kTmaStore || plan.path == Path::kTmaWide) && !split && vec_store;
-  const int bw = plan.path == Path::kTmaWide && tma_store ? plan.bw : kTileM;
   CUtensorMap mw, mx, ms;
   int st = encode_tensor_map_2d(&mw, p->weight, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, p->k, p->n, p->k, kBlock,
-                                bw / plan.mc, CU_TENSOR_MAP_SWIZZLE_128B, "fp8_block_linear: weight");
+                                kTileM / plan.mc, CU_TENSOR_MAP_SWIZZLE_128B, "fp8_block_linear: weight");
   if (st != DSA_OK) return st;
   st = encode_tensor_map_2d(&mx, q, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, static_cast<uint64_t>(plan.nkb) * kBlock, t,
                             static_cast<uint64_t>(plan.nkb) * kBlock, kBlock, bt, CU_TENSOR_MAP_SWIZZLE_128B,
@@ -388,12 +373,13 @@ static int tma_gemm(const DsaFp8BlockLinearParams* p, const LinearPlan& plan, co
   g.rows = t;
   g.n = p->n;
   g.nkb = plan.nkb;
-  g.w_tiles = static_cast<int>(dsa_ceil_div(p->n, bw));
+  g.w_tiles = plan.w_tiles;
   g.t_tiles = plan.t_tiles;
   g.t_groups = plan.t_groups;
   g.splits = plan.splits;
   g.kb_per_split = plan.kb_per_split;
   g.s_box = bt;  // token tiles start at multiples of bt (>= 8): the scale box is aligned
+  const bool split = plan.splits > 1;
   if (split) {
     g.out = part;
     g.out_stride = plan.part_stride;
@@ -401,9 +387,11 @@ static int tma_gemm(const DsaFp8BlockLinearParams* p, const LinearPlan& plan, co
   } else {
     g.out = p->out;
     g.out_stride = p->out_stride;
-    g.vec_store = vec_store;
+    g.vec_store = (reinterpret_cast<uintptr_t>(p->out) & 15) == 0 && p->out_stride % 8 == 0;
   }
+  // the bf16 output as TMA stores see it (tma-store, unsplit, 16-byte rows); else unused
   CUtensorMap mo = mw;
+  const bool tma_store = plan.path == Path::kTmaStore && !split && g.vec_store;
   if (tma_store) {
     st = encode_tensor_map_2d(&mo, p->out, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, p->n, t, p->out_stride * 2, 64, 64,
                               CU_TENSOR_MAP_SWIZZLE_128B, "fp8_block_linear: out");
@@ -412,16 +400,12 @@ static int tma_gemm(const DsaFp8BlockLinearParams* p, const LinearPlan& plan, co
 #define DSA_WS(SWAP, BT, MC, PIPE)                                                      \
   return split ? launch_ws<SWAP, BT, true, MC, PIPE>(g, mw, mx, ms, mo, stream) \
                : launch_ws<SWAP, BT, false, MC, PIPE>(g, mw, mx, ms, mo, stream)
-  if (tma_store && bw != kTileM) {
-    return plan.mc == 2 ? launch_ws<false, 128, false, 2, false, true, 192>(g, mw, mx, ms, mo, stream)
-                        : launch_ws<false, 128, false, 1, false, true, 192>(g, mw, mx, ms, mo, stream);
-  }
   if (tma_store) {
     return plan.mc == 2 ? launch_ws<false, 128, false, 2, true, true>(g, mw, mx, ms, mo, stream)
                         : launch_ws<false, 128, false, 1, true, true>(g, mw, mx, ms, mo, stream);
   }
   if (plan.path != Path::kTmaSwap) {
-    const bool pipe = plan.path == Path::kTmaPipe || plan.path == Path::kTmaStore || plan.path == Path::kTmaWide;
+    const bool pipe = plan.path == Path::kTmaPipe || plan.path == Path::kTmaStore;
     if (plan.mc == 2) {
       if (pipe) DSA_WS(false, 128, 2, true);
       DSA_WS(false, 128, 2, false);
@@ -462,11 +446,10 @@ extern "C" const char* dsa_fp8_block_linear_path(int64_t num_tokens, int n, int 
                      : p.path == Path::kTmaNoMc ? "tma-nomc"
                      : p.path == Path::kTmaPipe ? "tma-pipe"
                      : p.path == Path::kTmaStore ? "tma-store"
-                     : p.path == Path::kTmaWide  ? "tma-wide"
                      : p.path == Path::kTmaSwap ? "tma-swap"
                                                 : "legacy";
   // tile: weight rows x tokens; "x2": pairs of CTAs share (multicast) the weight tile
-  snprintf(text, sizeof(text), "%s %dx%d%s split %d", name, p.bw, p.bt, p.mc > 1 ? " x2" : "", p.splits);
+  snprintf(text, sizeof(text), "%s 128x%d%s split %d", name, p.bt, p.mc > 1 ? " x2" : "", p.splits);
   return text;
 }
 

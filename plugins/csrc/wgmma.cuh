@@ -5,7 +5,7 @@
 //       memory, by descriptor); N = 32, 64, 128, 256. dsa_wgmma::rs<N>(d, a[4], desc_b, scale_d): the
 //       same with the fragment as an array.
 //   dsa_wgmma::SS<N>::run(d, desc_a, desc_b, scale_d)
-//       D[64 x N] (+)= A[64 x 32] (shared) * B[N x 32]^T (shared); N = 8, 16, 32, 64, 128, 192.
+//       D[64 x N] (+)= A[64 x 32] (shared) * B[N x 32]^T (shared); N = 8, 16, 32, 64, 128.
 //       dsa_wgmma::ss_k128<N>(d, desc_a, desc_b): D = A[64 x 128] * B[N x 128]^T, one 128-wide K
 //       block of 128-byte-swizzled K-major operands in four k32 steps.
 //
@@ -29,8 +29,6 @@
 #define DSA_WGMMA_D16 "{" DSA_WGMMA_R0 "}"
 #define DSA_WGMMA_D32 "{" DSA_WGMMA_R0 ", " DSA_WGMMA_R1 "}"
 #define DSA_WGMMA_D64 "{" DSA_WGMMA_R0 ", " DSA_WGMMA_R1 ", " DSA_WGMMA_R2 ", " DSA_WGMMA_R3 "}"
-#define DSA_WGMMA_D96 \
-  "{" DSA_WGMMA_R0 ", " DSA_WGMMA_R1 ", " DSA_WGMMA_R2 ", " DSA_WGMMA_R3 ", " DSA_WGMMA_R4 ", " DSA_WGMMA_R5 "}"
 #define DSA_WGMMA_D128                                                                                 \
   "{" DSA_WGMMA_R0 ", " DSA_WGMMA_R1 ", " DSA_WGMMA_R2 ", " DSA_WGMMA_R3 ", " DSA_WGMMA_R4 ", " DSA_WGMMA_R5 \
   ", " DSA_WGMMA_R6 ", " DSA_WGMMA_R7 "}"
@@ -42,7 +40,6 @@
 #define DSA_WGMMA_F32(d) DSA_WGMMA_F16(d), DSA_WGMMA_F8(d, 16), DSA_WGMMA_F8(d, 24)
 #define DSA_WGMMA_F64(d) \
   DSA_WGMMA_F32(d), DSA_WGMMA_F8(d, 32), DSA_WGMMA_F8(d, 40), DSA_WGMMA_F8(d, 48), DSA_WGMMA_F8(d, 56)
-#define DSA_WGMMA_F96(d) DSA_WGMMA_F64(d), DSA_WGMMA_F8(d, 64), DSA_WGMMA_F8(d, 72), DSA_WGMMA_F8(d, 80), DSA_WGMMA_F8(d, 88)
 #define DSA_WGMMA_F128(d)                                                                                    \
   DSA_WGMMA_F64(d), DSA_WGMMA_F8(d, 64), DSA_WGMMA_F8(d, 72), DSA_WGMMA_F8(d, 80), DSA_WGMMA_F8(d, 88),      \
       DSA_WGMMA_F8(d, 96), DSA_WGMMA_F8(d, 104), DSA_WGMMA_F8(d, 112), DSA_WGMMA_F8(d, 120)
@@ -172,17 +169,6 @@ struct SS<128> {
         "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
         "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 " DSA_WGMMA_D64 ", %64, %65, p, 1, 1;\n}\n"
         : DSA_WGMMA_F64(d)
-        : "l"(desc_a), "l"(desc_b), "r"(scale_d));
-  }
-};
-
-template <>
-struct SS<192> {
-  __device__ __forceinline__ static void run(float (&d)[96], uint64_t desc_a, uint64_t desc_b, int scale_d) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %98, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n192k32.f32.e4m3.e4m3 " DSA_WGMMA_D96 ", %96, %97, p, 1, 1;\n}\n"
-        : DSA_WGMMA_F96(d)
         : "l"(desc_a), "l"(desc_b), "r"(scale_d));
   }
 };
