@@ -53,6 +53,16 @@ def test_bad_knob_is_named(lib, monkeypatch):
     assert path_of(lib, 1, 576, 7168) == "invalid DSA_FP8_LINEAR_PATH"
 
 
+@pytest.mark.parametrize("t,n,k,splits", [(512, 1536, 7168, 2), (512, 576, 7168, 6), (2048, 1536, 7168, 1),
+                                          (2048, 576, 7168, 1)])
+def test_prefill_splits_as_measured(lib, monkeypatch, t, n, k, splits):
+    """q_a / kv_a where an H100 timed each split against unsplit (2026-12-06; fp8_linear.cu
+    kPartialL2Bytes): at T=512 their few MB of fp32 partials pay for the split, at T=2048 not."""
+    monkeypatch.delenv("DSA_FP8_LINEAR_PATH", raising=False)
+    monkeypatch.delenv("DSA_FP8_LINEAR_SPLITS", raising=False)
+    assert path_of(lib, t, n, k) == f"tma-store 128x128 x2 split {splits}"
+
+
 @pytest.mark.parametrize("t,n,k", [(1, 576, 7168), (16, 1536, 7168), (64, 7168, 16384), (4096, 576, 7168)])
 def test_split_cap(lib, monkeypatch, t, n, k):
     """DSA_FP8_LINEAR_SPLITS caps the K splits (the deterministic mode's 1: the same sums at every T);

@@ -108,6 +108,14 @@ constexpr int kMaxSplits = 32;
 // 128 x 128 x 128 tile of MMAs, both ~0.4-0.5 us): the reduce kernel's launch and tail.
 constexpr double kSplitFixedSteps = 4.0;
 constexpr double kStepBytes = kPlanSms * 16384.0;  // bytes the GPU moves per step
+// Bytes a split's fp32 partials cost per output element: 4 written by the GEMM and 4 read by the
+// reduce, twice that for the prefill tile once the partials (4 x splits x T x N bytes) outgrow
+// kPartialL2Bytes (the decode tile's, T <= 64, were not measured against unsplit): on an
+// H100 (2026-12-06) at T=2048, q_a split 2 / kv_a split 3 (25 / 14 MB of partials) took 64.6 /
+// 31.2 µs of GEMM and reduce against 49.6 / 25.7 unsplit, which the plan chose counting 8; at
+// T=512 q_a split 2 / kv_a split 6 (6 / 7 MB) beat unsplit, 22.0 / 14.1 against 25.9 / 24.9.
+constexpr double kPartialBytes = 8.0;
+constexpr double kPartialL2Bytes = 12.0 * (1 << 20);
 
 struct LinearPlan {
   Path path;
@@ -130,13 +138,15 @@ static int pick_bn(int64_t rows) {
 
 // The split count minimising the busiest SM's steps (a persistent CTA per SM runs units of
 // kb_per_split steps) plus the splits' cost: the reduce and the fp32 partials written and read.
-static int pick_splits_tma(int64_t tiles, int nkb, int64_t t, int n) {
+static int pick_splits_tma(int64_t tiles, int nkb, int64_t t, int n, bool prefill) {
   int best = 1;
   double best_cost = static_cast<double>(dsa_ceil_div(tiles, kPlanSms)) * nkb;
   for (int s = 2; s <= std::min(kMaxSplits, nkb / kMinBlocksPerSplit); ++s) {
     const int kbps = static_cast<int>(dsa_ceil_div(nkb, s));
     const int s_eff = static_cast<int>(dsa_ceil_div(nkb, kbps));
-    const double partial_steps = 8.0 * s_eff * static_cast<double>(t) * n / kStepBytes;
+    const double elements = static_cast<double>(s_eff) * t * n;
+    const double per_element = (prefill && 4.0 * elements > kPartialL2Bytes ? 2.0 : 1.0) * kPartialBytes;
+    const double partial_steps = per_element * elements / kStepBytes;
     const double cost = static_cast<double>(dsa_ceil_div(tiles * s_eff, kPlanSms)) * kbps + kSplitFixedSteps +
                         partial_steps;
     if (cost < best_cost) {
@@ -182,7 +192,8 @@ static LinearPlan plan_linear(int64_t t, int n, int k, Path forced, int max_spli
   p.mc = square && p.path != Path::kTmaNoMc && p.t_tiles >= 2 ? 2 : 1;
   p.t_groups = static_cast<int>(dsa_ceil_div(p.t_tiles, p.mc));
   const int64_t tiles = static_cast<int64_t>(p.w_tiles) * p.t_tiles;
-  int splits = p.path == Path::kLegacy ? pick_splits_legacy(tiles, p.nkb) : pick_splits_tma(tiles, p.nkb, t, n);
+  int splits =
+      p.path == Path::kLegacy ? pick_splits_legacy(tiles, p.nkb) : pick_splits_tma(tiles, p.nkb, t, n, square);
   p.part_stride = p.path == Path::kLegacy ? n : (n + 3) / 4 * 4;
   const size_t slab = std::max<size_t>(static_cast<size_t>(t) * p.part_stride * sizeof(float), 1);
   splits = static_cast<int>(std::min<size_t>(splits, partial_budget(t, (n + 3) / 4 * 4) / slab));
