@@ -297,10 +297,10 @@ static int legacy_gemm(const DsaFp8BlockLinearParams* p, const LinearPlan& plan,
 }
 
 // Clusters of kMc CTAs that can be resident at once on this device (GPCs of odd SM counts leave
-// SMs out of pairs): the persistent grid must not exceed one wave. Per device, asked once.
+// SMs out of pairs): the persistent grid must not exceed one wave. Per kernel and device, asked
+// once (cache: the caller's, one per kernel; every variant has the same function type).
 template <typename Kernel>
-static int resident_clusters(Kernel kernel, int mc, int smem, int dev, int* out) {
-  static std::atomic<int> cache[64];
+static int resident_clusters(Kernel kernel, int mc, int smem, int dev, std::atomic<int> (&cache)[64], int* out) {
   if (dev >= 0 && dev < 64 && cache[dev].load() > 0) {
     *out = cache[dev].load();
     return DSA_OK;
@@ -337,7 +337,8 @@ static int launch_ws(const dsa_fp8_ws::WsArgs& g, const CUtensorMap& mw, const C
   if (kMc == 1) {
     DSA_CUDA_CHECK(cudaDeviceGetAttribute(&slots, cudaDevAttrMultiProcessorCount, dev));
   } else {
-    const int rc = resident_clusters(kernel, kMc, smem, dev, &slots);
+    static std::atomic<int> cache[64];
+    const int rc = resident_clusters(kernel, kMc, smem, dev, cache, &slots);
     if (rc != DSA_OK) return rc;
   }
   const int64_t units = static_cast<int64_t>(g.w_tiles) * g.t_groups * g.splits;  // one per cluster
