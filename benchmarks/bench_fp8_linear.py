@@ -34,7 +34,7 @@ import os
 
 import torch
 
-from timing import flush_l2, kernel_span_us, time_both_us
+from timing import span_after_us, time_both_us
 
 from dsa_trt.plugins import cuda_ops
 from dsa_trt.plugins.kernel_abi import KernelLibrary
@@ -143,8 +143,7 @@ def main() -> None:
     ap.add_argument("--md", type=str, default=None)
     ap.add_argument("--fused", action="store_true", help="the fused projections against their parts instead")
     ap.add_argument("--path", type=str, default=None,
-                    help="DSA_FP8_LINEAR_PATH for this run (auto, tma, tma-nomc, tma-pipe, tma-store, tma-wide, tma-swap, "
-                         "legacy)")
+                    help="DSA_FP8_LINEAR_PATH for this run (auto, tma, tma-nomc, tma-pipe, tma-store, tma-swap, legacy)")
     args = ap.parse_args()
     if args.path is not None:
         os.environ["DSA_FP8_LINEAR_PATH"] = args.path  # the library reads it at every launch
@@ -177,7 +176,7 @@ def main() -> None:
                 op = Linear(x, w8, ws)
                 ev, us = time_both_us(op, flush_buf, args.iters)
                 us = us if us is not None else ev
-                gemm_us = kernel_span_us(op, lambda: flush_l2(flush_buf), args.iters, after="act_quant")
+                gemm_us = span_after_us(op, flush_buf, args.iters, after="act_quant")
                 roof = max(flops / (FP8_TFLOPS * 1e12), nbytes / (HBM_TBPS * 1e12)) * 1e6
                 ob = torch.empty(t, n, device="cuda", dtype=torch.bfloat16)
                 bev, bus = time_both_us(lambda: torch.matmul(x, wb.t(), out=ob), flush_buf, args.iters)

@@ -106,6 +106,13 @@ def time_both_us(fn, flush_buf, iters: int) -> tuple[float, float | None]:
     return events, kernels
 
 
+def span_after_us(fn, flush_buf, iters: int, after: str) -> float | None:
+    """kernel_span_us of fn's CUDA graph (replayed as in time_both_us, so no host launch gap), from
+    the end of its last kernel whose name holds `after` (e.g. a linear's GEMM without act_quant)."""
+    graph = _capture(fn)
+    return kernel_span_us(graph.replay, lambda: flush_l2(flush_buf), iters, after=after)
+
+
 def time_eager_us(fn, iters: int = 50, warmup: int = 10) -> float:
     """Median µs of one eager call (launch path included), no L2 flush."""
     for _ in range(warmup):
