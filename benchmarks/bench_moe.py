@@ -20,9 +20,11 @@ and down, SiLU * up in fp32, index_add combine. Where this torch / cuBLASLt refu
 layout for some expert's row count, every expert falls back to bf16 matmuls on pre-dequantised
 weights (the "anchor" column says which).
 
-Path: the expert GEMMs the operator's plan picks (dsa_moe_experts_path: "tma" for prefill, the
-grouped warp-specialised TMA GEMM; "legacy" the cp.async tile); where that is tma, the "legacy µs"
-column times the same inputs with DSA_MOE_GEMM_PATH=legacy in the same run (the A/B of the path).
+Path: the expert GEMMs the operator's plan picks (dsa_moe_experts_path: "tma-fused" for prefill,
+the grouped warp-specialised TMA GEMM with SwiGLU in the gate/up epilogue; "legacy" the cp.async
+tile); where that is a tma path, the "legacy µs" column times the same inputs with
+DSA_MOE_GEMM_PATH=legacy in the same run (the A/B of the path; --ab tma-pipe: against the unfused
+TMA GEMMs instead).
 The anchor runs for T <= 4096 (its per-expert loop at T = 16384 takes minutes to capture).
 
 --kernels prints, after each row, the operator's kernels from the profiler (eager calls after an
@@ -180,8 +182,9 @@ def random_e4m3(shape, g: torch.Generator) -> torch.Tensor:
         torch.float8_e4m3fn)
 
 
-HEADER = ("| T | experts touched | their GB | read floor µs | path | µs | % of floor | TB/s | TFLOP/s | legacy µs | "
-          "anchor µs | anchor | vs anchor |")
+def header(ab: str = "legacy") -> str:
+    return (f"| T | experts touched | their GB | read floor µs | path | µs | % of floor | TB/s | TFLOP/s | {ab} µs | "
+            "anchor µs | anchor | vs anchor |")
 
 
 def format_row(t: int, touched: int, path: str, us: float, legacy_us: float | None, anchor_us: float | None,
@@ -233,6 +236,8 @@ def main() -> None:
     ap.add_argument("--no-anchor", action="store_true", help="skip the torch-loop anchor")
     ap.add_argument("--md", type=str, default=None)
     ap.add_argument("--kernels", action="store_true", help="print each row's kernels (profiler)")
+    ap.add_argument("--ab", default="legacy", choices=["legacy", "tma", "tma-pipe", "tma-fused", "none"],
+                    help="the path of the A/B column (default legacy; none: no A/B)")
     args = ap.parse_args()
     try:
         cuda_ops.load("cuda")
@@ -245,7 +250,7 @@ def main() -> None:
     s13 = torch.rand(NUM_EXPERTS, 2 * I // BLOCK, D // BLOCK, generator=g, device="cuda") * 1e-3 + 1e-4
     s2 = torch.rand(NUM_EXPERTS, D // BLOCK, I // BLOCK, generator=g, device="cuda") * 1e-3 + 1e-4
     lib = KernelLibrary()
-    rows = [HEADER, "|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---|---:|"]
+    rows = [header(args.ab), "|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---|---:|"]
     print("\n".join(rows), flush=True)
     notes = set()
     for t in args.tokens or (QUICK_TOKENS if args.quick else TOKENS):
@@ -253,13 +258,13 @@ def main() -> None:
             x = torch.randn(t, D, generator=g, device="cuda").to(torch.bfloat16)
             ids, weights = uniform_routing(t, g, "cuda")
             touched = int(torch.unique(ids).numel())
-            path = lib.moe_path(t, TOP_K, NUM_EXPERTS)
+            path = lib.moe_path(t, TOP_K, NUM_EXPERTS, I)
             ev, us = time_both_us(Moe(x, ids, weights, w13, s13, w2, s2), flush_buf, args.iters)
             us = us if us is not None else ev
             legacy_us = None
-            if path.startswith("tma"):  # the A/B: the same inputs on the cp.async tile
+            if path.startswith("tma") and args.ab != "none":  # the A/B: the same inputs on the cp.async tile (or --ab's path)
                 forced = os.environ.get(PATH_KNOB)
-                os.environ[PATH_KNOB] = "legacy"
+                os.environ[PATH_KNOB] = args.ab
                 try:
                     lev, legacy_us = time_both_us(Moe(x, ids, weights, w13, s13, w2, s2), flush_buf, args.iters)
                     legacy_us = legacy_us if legacy_us is not None else lev

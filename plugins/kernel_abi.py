@@ -60,7 +60,7 @@ SIGNATURES = {
     "dsa_fp8_block_linear_path": (c_char_p, [c_int64, c_int, c_int]),
     "dsa_moe_experts_workspace_size": (c_size_t, [c_int64, c_int, c_int, c_int, c_int, c_int]),
     "dsa_launch_moe_experts": (c_int, [POINTER(MoeExpertsParams), c_void_p]),
-    "dsa_moe_experts_path": (c_char_p, [c_int64, c_int, c_int]),
+    "dsa_moe_experts_path": (c_char_p, [c_int64, c_int, c_int, c_int]),
     "dsa_sparse_mla_workspace_size": (c_size_t, [c_int64, c_int, c_int, c_int]),
 }
 
@@ -95,10 +95,10 @@ class KernelLibrary:
         """The plan a (T, N, K) launch runs, e.g. "tma 128x128 split 1" (honours DSA_FP8_LINEAR_PATH)."""
         return self.dll.dsa_fp8_block_linear_path(num_tokens, n, k).decode()
 
-    def moe_path(self, num_tokens: int, top_k: int, num_local_experts: int) -> str:
-        """The expert GEMMs an fp8 MoE launch runs, "tma 128x128" or "legacy 128xBN" (honours
-        DSA_MOE_GEMM_PATH)."""
-        return self.dll.dsa_moe_experts_path(num_tokens, top_k, num_local_experts).decode()
+    def moe_path(self, num_tokens: int, top_k: int, num_local_experts: int, inter: int = 2048) -> str:
+        """The expert GEMMs an fp8 MoE launch runs, e.g. "tma-fused 128x128" or "legacy 128xBN"
+        (honours DSA_MOE_GEMM_PATH; inter: the experts' intermediate size, V3.2's by default)."""
+        return self.dll.dsa_moe_experts_path(num_tokens, top_k, num_local_experts, inter).decode()
 
     @staticmethod
     def stream() -> c_void_p:

@@ -99,20 +99,23 @@ def test_workspace_grows_with_tokens(lib, n, k):
 
 # ---------------------------------------------------------------- the MoE's expert GEMMs (moe_experts.cu)
 def test_moe_auto_paths(lib, monkeypatch):
-    """Prefill (more than 64 pairs per local expert on average) takes the grouped TMA GEMM, decode
-    the cp.async tile with BN from the pairs per expert."""
+    """Prefill (more than 64 pairs per local expert on average) takes the grouped TMA GEMM with
+    SwiGLU fused into the gate/up epilogue (unfused where I is no multiple of 128), decode the
+    cp.async tile with BN from the pairs per expert."""
     monkeypatch.delenv("DSA_MOE_GEMM_PATH", raising=False)
     assert lib.moe_path(1, 8, 256) == "legacy 128x8"
     assert lib.moe_path(32, 8, 256) == "legacy 128x8"
     assert lib.moe_path(512, 8, 256) == "legacy 128x16"
     assert lib.moe_path(2048, 8, 256) == "legacy 128x64"
-    assert lib.moe_path(2049, 8, 256) == "tma-pipe 128x128"
-    assert lib.moe_path(16384, 8, 256) == "tma-pipe 128x128"
-    assert lib.moe_path(129, 8, 8) == "tma-pipe 128x128"  # an EP rank's 8 experts: the pairs of all 256 bound it
+    assert lib.moe_path(2049, 8, 256) == "tma-fused 128x128"
+    assert lib.moe_path(16384, 8, 256) == "tma-fused 128x128"
+    assert lib.moe_path(129, 8, 8) == "tma-fused 128x128"  # an EP rank's 8 experts: the pairs of all 256 bound it
+    assert lib.moe_path(16384, 8, 256, 192) == "tma-pipe 128x128"
 
 
 @pytest.mark.parametrize("knob,want", [("tma", "tma 128x128"), ("tma-pipe", "tma-pipe 128x128"),
-                                       ("legacy", "legacy 128x128"), ("auto", "tma-pipe 128x128")])
+                                       ("tma-fused", "tma-fused 128x128"), ("legacy", "legacy 128x128"),
+                                       ("auto", "tma-fused 128x128")])
 def test_moe_forced_paths(lib, monkeypatch, knob, want):
     monkeypatch.setenv("DSA_MOE_GEMM_PATH", knob)
     assert lib.moe_path(4096, 8, 16) == want

@@ -379,10 +379,10 @@ def moe_case(lib, m: Moe, case: str):
     return got
 
 
-@pytest.fixture(params=["legacy", "tma", "tma-pipe"])
+@pytest.fixture(params=["legacy", "tma", "tma-pipe", "tma-fused"])
 def gemm_path(request, monkeypatch):
-    """Both expert GEMMs at every size (DSA_MOE_GEMM_PATH; auto takes tma above 64 pairs per expert):
-    the pairwise oracle of a case runs under the same path."""
+    """Both expert GEMMs at every size (DSA_MOE_GEMM_PATH; auto takes tma-fused above 64 pairs per
+    expert, tma-pipe where I % 128 != 0): the pairwise oracle of a case runs under the same path."""
     monkeypatch.setenv("DSA_MOE_GEMM_PATH", request.param)
     return request.param
 
@@ -391,12 +391,13 @@ def gemm_path(request, monkeypatch):
 def test_moe_tokens(lib, gemm_path, t):
     # all experts local; the token counts cross the tile widths (P / E_local picks BN); 4096: BN = 128
     m = make_moe(100 + t, t, 4, 16, 16, 0, 256, 128, pow2=t % 2 == 1)
-    moe_case(lib, m, f"moe T={t} k=4 E=16/16 D=256 I=128 {lib.moe_path(t, 4, 16)}")
+    moe_case(lib, m, f"moe T={t} k=4 E=16/16 D=256 I=128 {lib.moe_path(t, 4, 16, 128)}")
 
 
 @pytest.mark.parametrize("pow2", [True, False])
 @pytest.mark.parametrize("t,k,num_experts,e_local,offset,d,i,routing", [
     (37, 6, 32, 8, 8, 320, 192, "uniform"),     # partial D and I blocks, other ranks' ids, offset 8
+    (41, 6, 32, 8, 8, 320, 256, "uniform"),     # partial D block, whole I groups (tma-fused stays fused)
     (129, 4, 16, 8, 4, 256, 128, "hot"),        # every token on one expert, some experts empty
     (257, 1, 8, 8, 0, 256, 128, "hot"),         # k = 1, one expert with all 257 pairs
     (96, 3, 16, 8, 8, 256, 128, "local_only"),  # half the local experts get no pair
@@ -408,7 +409,7 @@ def test_moe_tokens(lib, gemm_path, t):
 def test_moe_routing(lib, gemm_path, pow2, t, k, num_experts, e_local, offset, d, i, routing):
     m = make_moe(t + k + d, t, k, num_experts, e_local, offset, d, i, pow2, routing=routing)
     moe_case(lib, m, f"moe T={t} k={k} E={e_local}/{num_experts}@{offset} D={d} I={i} {routing} pow2={pow2} "
-             f"{lib.moe_path(t, k, e_local)}")
+             f"{lib.moe_path(t, k, e_local, i)}")
 
 
 @pytest.mark.parametrize("t", [1, 32, 129])
@@ -428,7 +429,7 @@ def test_moe_paths_agree_bitwise(lib, monkeypatch, t, e_local, d, i):
     m = make_moe(40 + t, t, 8, 64, e_local, 8, d, i, pow2=t % 2 == 0)
     monkeypatch.setenv("DSA_MOE_GEMM_PATH", "legacy")
     a = run_moe(lib, m)
-    for path in ("tma", "tma-pipe"):
+    for path in ("tma", "tma-pipe", "tma-fused"):
         monkeypatch.setenv("DSA_MOE_GEMM_PATH", path)
         b = run_moe(lib, m)
         diff = (a - b).abs()

@@ -95,10 +95,12 @@ typedef struct {
 size_t dsa_moe_experts_workspace_size(int64_t num_tokens, int top_k, int num_local_experts, int hidden, int inter,
                                       int weight_format);
 int dsa_launch_moe_experts(const DsaMoeExpertsParams* p, cudaStream_t stream);
-// The expert GEMMs a launch of (T, top_k, E_local) runs with fp8 weights, as text: "tma 128x128"
-// (prefill: fp8_gemm_ws.cuh, grouped) or "legacy 128xBN" (decode: the cp.async tile, BN positions);
-// honours DSA_MOE_GEMM_PATH (auto, tma, legacy; moe_experts.cu). Thread-local, valid until the next call.
-const char* dsa_moe_experts_path(int64_t num_tokens, int top_k, int num_local_experts);
+// The expert GEMMs a launch of (T, top_k, E_local, inter) runs with fp8 weights, as text:
+// "tma-fused 128x128" (prefill: fp8_gemm_ws.cuh, grouped, SwiGLU in the gate/up epilogue),
+// "tma-pipe 128x128" / "tma 128x128" (the same unfused) or "legacy 128xBN" (decode: the cp.async
+// tile, BN positions); honours DSA_MOE_GEMM_PATH (auto, tma, tma-pipe, tma-fused, legacy;
+// moe_experts.cu). Thread-local, valid until the next call.
+const char* dsa_moe_experts_path(int64_t num_tokens, int top_k, int num_local_experts, int inter);
 
 #ifdef __cplusplus
 }

@@ -81,36 +81,50 @@ __device__ __forceinline__ float act_scale(float amax, bool pow2) {
   return s;
 }
 
-// e4m3(x / s) of four values, packed little-endian (saturating: |x / s| <= 448 up to rounding).
+// e4m3(x / s) of two values (quant4: four), packed little-endian (saturating: |x / s| <= 448 up to rounding).
 // pow2 (s = 2^k, act_scale's ue8m0 scales): x * 2^-k instead of the IEEE division. 2^-k is exact
 // (biased exponent 254 - E; a finite amax gives s in [2^-22, 2^120]), and x / s and x * 2^-k are
 // both the correctly rounded value of the same real number, subnormal results included: the same
 // bits, for a multiply in place of a ~10-instruction division per element. An infinite amax keeps
 // the division.
-__device__ __forceinline__ uint32_t quant4(const float (&v)[4], float s, bool pow2) {
-  float d[4];
+__device__ __forceinline__ uint16_t quant2(float a, float b, float s, bool pow2) {
+  float d0, d1;
   if (pow2 && s < INFINITY) {
     const float r = __uint_as_float(0x7F000000u - __float_as_uint(s));
-#pragma unroll
-    for (int e = 0; e < 4; ++e) d[e] = __fmul_rn(v[e], r);
+    d0 = __fmul_rn(a, r);
+    d1 = __fmul_rn(b, r);
   } else {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) d[e] = __fdiv_rn(v[e], s);
+    d0 = __fdiv_rn(a, s);
+    d1 = __fdiv_rn(b, s);
   }
-  const __nv_fp8x2_storage_t lo = __nv_cvt_float2_to_fp8x2(make_float2(d[0], d[1]), __NV_SATFINITE, __NV_E4M3);
-  const __nv_fp8x2_storage_t hi = __nv_cvt_float2_to_fp8x2(make_float2(d[2], d[3]), __NV_SATFINITE, __NV_E4M3);
-  return static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
+  return static_cast<uint16_t>(__nv_cvt_float2_to_fp8x2(make_float2(d0, d1), __NV_SATFINITE, __NV_E4M3));
+}
+__device__ __forceinline__ uint32_t quant4(const float (&v)[4], float s, bool pow2) {
+  return static_cast<uint32_t>(quant2(v[0], v[1], s, pow2)) | (static_cast<uint32_t>(quant2(v[2], v[3], s, pow2)) << 16);
 }
 
-// One warp quantises one 128-group: lane l holds elements [4l, 4l + 4) (zero past K). Writes the
-// 128 e4m3 bytes at q_group (4-byte aligned) and, from lane 0, the scale.
-__device__ __forceinline__ void quant_group_store(const float (&v)[4], bool pow2, uint8_t* q_group, float* s_out,
-                                                  int lane) {
+// The MoE's h = bf16(silu(gate) * up) of the bf16 gate and up (the reference casts the fp32 product
+// to bf16 before the down linear), as a float; moe_swiglu_kernel and the gate/up GEMM's fused
+// epilogue (fp8_gemm_ws.cuh kSwiGLU) share it, so their bits agree.
+__device__ __forceinline__ float swiglu_bf16(float gate, float up) {
+  const float silu = __fdiv_rn(gate, __fadd_rn(1.f, expf(-gate)));
+  return bf16_bits_to_float(float_to_bf16_bits(__fmul_rn(silu, up)));
+}
+
+// One warp quantises one 128-group: lane l holds elements [4l, 4l + 4) (zero past K). -> the
+// lane's 4 e4m3 bytes; *s = the group's scale (every lane).
+__device__ __forceinline__ uint32_t quant_group(const float (&v)[4], bool pow2, float* s) {
   float amax = fmaxf(fmaxf(fabsf(v[0]), fabsf(v[1])), fmaxf(fabsf(v[2]), fabsf(v[3])));
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-  const float s = act_scale(amax, pow2);
-  reinterpret_cast<uint32_t*>(q_group)[lane] = quant4(v, s, pow2);
+  *s = act_scale(amax, pow2);
+  return quant4(v, *s, pow2);
+}
+// quant_group, then the 128 e4m3 bytes at q_group (4-byte aligned) and, from lane 0, the scale.
+__device__ __forceinline__ void quant_group_store(const float (&v)[4], bool pow2, uint8_t* q_group, float* s_out,
+                                                  int lane) {
+  float s;
+  reinterpret_cast<uint32_t*>(q_group)[lane] = quant_group(v, pow2, &s);
   if (lane == 0) *s_out = s;
 }
 
@@ -168,11 +182,12 @@ __device__ __forceinline__ void cp_async_4_zfill(uint32_t dst, const void* src, 
 
 // The fp32 promotion of one K block, total += acc * scale, on wgmma's m64nN accumulator layout:
 // acc[4j + {0,1}] are row r, columns 8j + 2c + {0,1}; acc[4j + {2,3}] row r + 8, the same columns.
-// promote_by_row: one scale per row (s_lo for row r, s_hi for row r + 8), every j.
-template <int R>
+// promote_by_row: one scale per row (s_lo for row r, s_hi for row r + 8), every j in [J0, J1)
+// (the fused gate/up tile: its gate and up column halves have their own weight scales).
+template <int R, int J0 = 0, int J1 = R / 4>
 __device__ __forceinline__ void promote_by_row(float (&total)[R], const float (&acc)[R], float s_lo, float s_hi) {
 #pragma unroll
-  for (int j = 0; j < R / 4; ++j) {
+  for (int j = J0; j < J1; ++j) {
     total[4 * j + 0] = fmaf(acc[4 * j + 0], s_lo, total[4 * j + 0]);
     total[4 * j + 1] = fmaf(acc[4 * j + 1], s_lo, total[4 * j + 1]);
     total[4 * j + 2] = fmaf(acc[4 * j + 2], s_hi, total[4 * j + 2]);

@@ -68,6 +68,15 @@
 // *num_tiles tiles exist, a count on the device, read by every CTA at its start. A token tile may
 // load rows of the next expert (or unwritten rows past the routed ones): each output row depends
 // only on its own token row, and the epilogue stores rows < the tile's end only.
+//
+// kSwiGLU (the grouped gate/up GEMM, I % 128 == 0): weight tile w is h's 128-column group w, run
+// as two sub-tiles one after the other (2 nkb K iterations per unit). Sub-tile b's 128 weight
+// rows are gate rows [128 w + 64 b, +64) and the same up rows (two 64-row TMA boxes), each half
+// promoted by its own weight scale; its epilogue turns gate and up into h = swiglu_bf16 of the
+// bf16-rounded values (sub-tile 0's h waits in shared memory), quantises each row's 128 h values
+// as one 1x128 group (the scale's amax across the quad) and stores e4m3 h and its scales, the
+// down GEMM's operands: bitwise what the bf16 gate|up store + moe_swiglu_kernel give, without
+// the P x 2I bf16 round trip.
 #pragma once
 
 #include <cuda.h>  // CUtensorMap (a by-value kernel parameter; the driver is reached via the runtime)
@@ -113,6 +122,15 @@ struct WsArgs {
   // innermost start must be 16-byte aligned (else the copy faults with an illegal instruction),
   // so the box starts at t_load rounded down to 4 and the consumers read it from t_load % 4 on
   int s_box;
+  // kSwiGLU (the MoE's gate/up GEMM with h = swiglu_bf16 and its 1x128 quantiser in the epilogue):
+  // I (an expert's w13 rows [0, I) are the gate, [I, 2I) the up; I % 128 == 0), h's e4m3 rows
+  // [P, qh_stride] and their scales transposed [I / 128, sh_stride], ue8m0 (pow2) or fp32 scales
+  int inter;
+  uint8_t* qh;
+  int64_t qh_stride;
+  float* sh;
+  int64_t sh_stride;
+  int pow2;
 };
 
 // kTmaStore (the linear's prefill tile, bf16 out, DSA_FP8_LINEAR_PATH=tma-store): the staging
@@ -270,7 +288,7 @@ __device__ __forceinline__ Unit unit_of(const WsArgs& g, int u, int rank) {
 // kMc = 2: this CTA (rank) loads its token tile, its scales and weight rows [64 rank, +64) of the
 // shared weight tile, the latter multicast into both CTAs; a stage is refilled once the consumers
 // of both CTAs released it (each consumer warp arrives on both CTAs' empty barriers).
-template <bool kSwap, int BT, int kMc, bool kTmaStore>
+template <bool kSwap, int BT, int kMc, bool kTmaStore, bool kSwiGLU>
 __device__ __forceinline__ void producer(const WsArgs& g, const CUtensorMap* map_w, const CUtensorMap* map_x,
                                          const CUtensorMap* map_s, uint8_t* smem, uint32_t full0, uint32_t empty0,
                                          int units, int cluster, int clusters, int rank) {
@@ -281,9 +299,14 @@ __device__ __forceinline__ void producer(const WsArgs& g, const CUtensorMap* map
   tma_prefetch_desc(map_x);
   tma_prefetch_desc(map_s);
   constexpr int kWRows = kTileM / kMc;  // weight rows this CTA loads per stage
+  constexpr int kSubs = kSwiGLU ? 2 : 1;  // K passes per unit
   const uint32_t w_off = rank * kWRows * kBlock;
-  auto load_w = [&](uint32_t st, uint32_t full, int kb, int w_row) {
-    if constexpr (kMc == 1)
+  // kSwiGLU: sub-tile `sub` of a group is its gate rows [64 sub, +64) and the same up rows (64-row boxes)
+  auto load_w = [&](uint32_t st, uint32_t full, int kb, int w_row, int sub) {
+    if constexpr (kSwiGLU) {
+      tma_load_2d(st, map_w, full, kb * kBlock, w_row + 64 * sub);
+      tma_load_2d(st + 64 * kBlock, map_w, full, kb * kBlock, w_row + g.inter + 64 * sub);
+    } else if constexpr (kMc == 1)
       tma_load_2d(st, map_w, full, kb * kBlock, w_row);
     else  // a half past N (N <= 64 in the last tile) reads row N - 1 instead: no box starts out of
           // bounds; the rows it fills belong to outputs past N, which are never stored
@@ -295,31 +318,56 @@ __device__ __forceinline__ void producer(const WsArgs& g, const CUtensorMap* map
   int pre = 0;
   for (int u = cluster; u < units && pre < S; u += clusters) {
     const Unit w = unit_of<BT, kMc>(g, u, rank);
-    for (int kb = w.kb_begin; kb < w.kb_end && pre < S; ++kb, ++pre) {
-      mbar_arrive_expect_tx(full0 + 8 * pre, L::kTxBytes + 4 * g.s_box);
-      load_w(base + pre * L::kStage, full0 + 8 * pre, kb, w.w_row);
-    }
+    for (int sub = 0; sub < kSubs && pre < S; ++sub)
+      for (int kb = w.kb_begin; kb < w.kb_end && pre < S; ++kb, ++pre) {
+        mbar_arrive_expect_tx(full0 + 8 * pre, L::kTxBytes + 4 * g.s_box);
+        load_w(base + pre * L::kStage, full0 + 8 * pre, kb, w.w_row, sub);
+      }
   }
   dsa_pdl_wait();  // the quantised activations and their scales are written
   int i = 0, s = 0;
   uint32_t phase = 0;
   for (int u = cluster; u < units; u += clusters) {
     const Unit w = unit_of<BT, kMc>(g, u, rank);
-    for (int kb = w.kb_begin; kb < w.kb_end; ++kb, ++i) {
-      const uint32_t full = full0 + 8 * s, st = base + s * L::kStage;
-      if (i >= pre) {
-        mbar_wait(empty0 + 8 * s, phase ^ 1);
-        mbar_arrive_expect_tx(full, L::kTxBytes + 4 * g.s_box);
-        load_w(st, full, kb, w.w_row);
+    for (int sub = 0; sub < kSubs; ++sub)
+      for (int kb = w.kb_begin; kb < w.kb_end; ++kb, ++i) {
+        const uint32_t full = full0 + 8 * s, st = base + s * L::kStage;
+        if (i >= pre) {
+          mbar_wait(empty0 + 8 * s, phase ^ 1);
+          mbar_arrive_expect_tx(full, L::kTxBytes + 4 * g.s_box);
+          load_w(st, full, kb, w.w_row, sub);
+        }
+        tma_load_2d(st + L::kW, map_x, full, kb * kBlock, w.t_load);
+        tma_load_2d(st + L::kW + L::kX, map_s, full, w.t_load & ~3, kb);
+        if (++s == S) {
+          s = 0;
+          phase ^= 1;
+        }
       }
-      tma_load_2d(st + L::kW, map_x, full, kb * kBlock, w.t_load);
-      tma_load_2d(st + L::kW + L::kX, map_s, full, w.t_load & ~3, kb);
-      if (++s == S) {
-        s = 0;
-        phase ^= 1;
-      }
-    }
   }
+}
+
+// ---------------------------------------------------------------- kSwiGLU epilogue
+// A consumer thread's m64n128 accumulator: total[4j + 2h + e] is row r_lo + 8h, tile column
+// 8j + 2 quad + e. The fused tile's columns [0, 64) are gate rows and [64, 128) the same up rows,
+// so gate total[4j + ..] pairs with up total[4 (j + 8) + ..], j < 8. -> h of the pair (j, h),
+// two packed bf16 (the gate and up rounded to bf16 first, as the unfused GEMM stores them).
+constexpr int kStashBytes = 16 * 256 * 4;  // sub-tile 0's h: 16 packed pairs per consumer thread
+constexpr int kQPitch = kBlock + 16;       // e4m3 staging rows of h (16-byte aligned, conflict-free)
+template <int R>
+__device__ __forceinline__ uint32_t swiglu_pair(const float (&total)[R], int j, int h) {
+  auto bf = [](float v) { return dsa_fp8::bf16_bits_to_float(float_to_bf16_bits(v)); };
+  const float h0 = dsa_fp8::swiglu_bf16(bf(total[4 * j + 2 * h]), bf(total[4 * (j + 8) + 2 * h]));
+  const float h1 = dsa_fp8::swiglu_bf16(bf(total[4 * j + 2 * h + 1]), bf(total[4 * (j + 8) + 2 * h + 1]));
+  return static_cast<uint32_t>(float_to_bf16_bits(h0)) | (static_cast<uint32_t>(float_to_bf16_bits(h1)) << 16);
+}
+// Sub-tile 0's h into this thread's stash slots (thread-private: no barrier).
+template <int R>
+__device__ __forceinline__ void swiglu_stash(const float (&total)[R], uint32_t* stash, int tid256) {
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) stash[(2 * j + h) * 256 + tid256] = swiglu_pair(total, j, h);
 }
 
 // Consumer warpgroup c (0, 1) of the CTA; ct = its thread index (0..127).
@@ -328,7 +376,7 @@ __device__ __forceinline__ void producer(const WsArgs& g, const CUtensorMap* map
 // while it promotes, releases and waits for the next stage. Without it both warpgroups wait on
 // the same full barrier, issue, drain (wait<0>) and promote in lock-step, and the tensor cores
 // idle for every promotion. Costs 64 more registers per thread (3 x 64 fp32 of 232).
-template <bool kSwap, int BT, bool kF32Out, int kMc, bool kPipe, bool kTmaStore>
+template <bool kSwap, int BT, bool kF32Out, int kMc, bool kPipe, bool kTmaStore, bool kSwiGLU>
 __device__ __forceinline__ void consumer(const WsArgs& g, const CUtensorMap* map_o, uint8_t* smem, uint32_t full0,
                                          uint32_t empty0, int units, int c, int cluster, int clusters, int rank) {
   using L = WsTile<kSwap, BT, kTmaStore>;
@@ -338,6 +386,12 @@ __device__ __forceinline__ void consumer(const WsArgs& g, const CUtensorMap* map
   const int quad = lane & 3, grp = lane >> 2;
   const int r_lo = 64 * c + 16 * warp + grp;  // this thread's wgmma rows r_lo and r_lo + 8 (of 128)
   uint16_t* epi = reinterpret_cast<uint16_t*>(smem + S * L::kStage);
+  // kSwiGLU: the staging area holds sub-tile 0's h, then h's e4m3 rows per warpgroup
+  static_assert(!kSwiGLU || (kPipe && !kSwap && !kF32Out && !kTmaStore && kMc == 1 &&
+                             kStashBytes + 2 * 64 * kQPitch <= L::kEpi),
+                "the fused SwiGLU epilogue is the grouped prefill tile's");
+  const int tid256 = ct + 128 * c;
+  uint32_t* stash = reinterpret_cast<uint32_t*>(epi);
   int s = 0;
   uint32_t phase = 0;
   // lane 0 of each warp releases a stage on every CTA of the cluster (all of them refill it)
@@ -368,10 +422,11 @@ __device__ __forceinline__ void consumer(const WsArgs& g, const CUtensorMap* map
     if constexpr (kPipe) {
       static_assert(!kSwap, "the pipelined mainloop is the prefill tile's");
       float acc2[R];
-      // kPipe: issue K block kb of unit w (the next stage) into `a`; returns the block's row scales
-      // (s_w * s_x of rows r_lo, r_lo + 8), read while its wgmmas run, off the promotion's path
-      auto issue = [&](float(&a)[R], const Unit& w, int kb) {
-        const float sw = __ldg(w.ws + kb);
+      // kPipe: issue K block kb (the next stage) into `a`; returns the block's scales s_w * s_x of
+      // rows r_lo, r_lo + 8 (x, y; kSwiGLU: the gate columns, and z, w the up columns' with their
+      // own s_w), read while its wgmmas run, off the promotion's path
+      auto issue = [&](float(&a)[R], const float* wsg, const float* wsu, int kb) {
+        const float sw = __ldg(wsg + kb), su = kSwiGLU ? __ldg(wsu + kb) : sw;
         uint8_t* st = smem + s * L::kStage;
         mbar_wait(full0 + 8 * s, phase);
         const float* sx = reinterpret_cast<const float*>(st + L::kW + L::kX) + (w.t_load & 3);
@@ -384,41 +439,63 @@ __device__ __forceinline__ void consumer(const WsArgs& g, const CUtensorMap* map
         dsa_wgmma::ss_k128<kTileM>(a, da, db);
         dsa_wgmma::wgmma_commit();
         advance();
-        return make_float2(sw * x0, sw * x1);
+        return make_float4(sw * x0, sw * x1, su * x0, su * x1);
       };
-      // promote `a` (its group completed) by its block's row scales, then release its stage
-      auto promote = [&](float(&a)[R], float2 sc, int stage) {
+      // promote `a` (its group completed) by its block's scales, then release its stage
+      auto promote = [&](float(&a)[R], float4 sc, int stage) {
 #pragma unroll
         for (int j = 0; j < R; ++j) dsa_fp8::fence_operand(a[j]);
         release(stage);
-        dsa_fp8::promote_by_row(total, a, sc.x, sc.y);
+        if constexpr (kSwiGLU) {
+          dsa_fp8::promote_by_row<R, 0, R / 8>(total, a, sc.x, sc.y);
+          dsa_fp8::promote_by_row<R, R / 8, R / 4>(total, a, sc.z, sc.w);
+        } else {
+          dsa_fp8::promote_by_row(total, a, sc.x, sc.y);
+        }
       };
-      // the K loop unrolled by two so each accumulator set stays in fixed registers
-      int kb = w.kb_begin, prev = s;
-      float2 sc_prev = issue(acc, w, kb);
-      for (++kb;; kb += 2) {
-        if (kb >= w.kb_end) {
-          dsa_wgmma::wgmma_wait<0>();
+      // the unit's K blocks, the loop unrolled by two so each accumulator set stays in fixed
+      // registers; first() runs while the first block's wgmmas do (before total is touched)
+      auto k_loop = [&](const float* wsg, const float* wsu, auto first) {
+        int kb = w.kb_begin, prev = s;
+        float4 sc_prev = issue(acc, wsg, wsu, kb);
+        first();
+        for (++kb;; kb += 2) {
+          if (kb >= w.kb_end) {
+            dsa_wgmma::wgmma_wait<0>();
+            promote(acc, sc_prev, prev);
+            break;
+          }
+          int cur = s;
+          float4 sc_cur = issue(acc2, wsg, wsu, kb);
+          dsa_wgmma::wgmma_wait<1>();  // acc's group completed, acc2's in flight
           promote(acc, sc_prev, prev);
-          break;
-        }
-        int cur = s;
-        float2 sc_cur = issue(acc2, w, kb);
-        dsa_wgmma::wgmma_wait<1>();  // acc's group completed, acc2's in flight
-        promote(acc, sc_prev, prev);
-        prev = cur;
-        sc_prev = sc_cur;
-        if (kb + 1 >= w.kb_end) {
-          dsa_wgmma::wgmma_wait<0>();
+          prev = cur;
+          sc_prev = sc_cur;
+          if (kb + 1 >= w.kb_end) {
+            dsa_wgmma::wgmma_wait<0>();
+            promote(acc2, sc_prev, prev);
+            break;
+          }
+          cur = s;
+          sc_cur = issue(acc, wsg, wsu, kb + 1);
+          dsa_wgmma::wgmma_wait<1>();
           promote(acc2, sc_prev, prev);
-          break;
+          prev = cur;
+          sc_prev = sc_cur;
         }
-        cur = s;
-        sc_cur = issue(acc, w, kb + 1);
-        dsa_wgmma::wgmma_wait<1>();
-        promote(acc2, sc_prev, prev);
-        prev = cur;
-        sc_prev = sc_cur;
+      };
+      if constexpr (kSwiGLU) {
+        // sub-tile 0: h columns [0, 64) of the group, kept in shared memory until sub-tile 1's;
+        // its h is made while sub-tile 1's first wgmmas run
+        const float* wsu = ws + (g.inter / kBlock) * g.nkb;
+        k_loop(ws, wsu, [] {});
+        k_loop(ws, wsu, [&] {
+          swiglu_stash(total, stash, tid256);
+#pragma unroll
+          for (int j = 0; j < R; ++j) total[j] = 0.f;
+        });
+      } else {
+        k_loop(ws, ws, [] {});
       }
     }
     for (int kb = w.kb_begin; !kPipe && kb < w.kb_end; ++kb) {
@@ -455,9 +532,59 @@ __device__ __forceinline__ void consumer(const WsArgs& g, const CUtensorMap* map
     }
 
     // ------------------------------------------------ epilogue
-    const int n0 = w.w_tile * kTileM;  // output columns of the tile (of its expert)
+    [[maybe_unused]] const int n0 = w.w_tile * kTileM;  // output columns of the tile (of its expert)
     const int64_t t0 = w.t_row, t_end = w.t_end;
-    if constexpr (kF32Out) {
+    if constexpr (kSwiGLU) {
+      // h of both sub-tiles (128 columns: one 1x128 group per row across the quad's 4 lanes), its
+      // quantiser (quant_group_store's numerics), e4m3 rows through shared memory, scales transposed
+      uint32_t hp[2][16];
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          hp[0][2 * j + h] = stash[(2 * j + h) * 256 + tid256];
+          hp[1][2 * j + h] = swiglu_pair(total, j, h);
+        }
+      float amax[2] = {0.f, 0.f};
+#pragma unroll
+      for (int sub = 0; sub < 2; ++sub)
+#pragma unroll
+        for (int i = 0; i < 16; ++i)
+          amax[i & 1] = fmaxf(amax[i & 1], fmaxf(fabsf(__uint_as_float(hp[sub][i] << 16)),
+                                                 fabsf(__uint_as_float(hp[sub][i] & 0xFFFF0000u))));
+      float sc[2];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        amax[h] = fmaxf(amax[h], __shfl_xor_sync(0xffffffffu, amax[h], 1));
+        amax[h] = fmaxf(amax[h], __shfl_xor_sync(0xffffffffu, amax[h], 2));
+        sc[h] = dsa_fp8::act_scale(amax[h], g.pow2 != 0);
+      }
+      uint8_t* stage_q = reinterpret_cast<uint8_t*>(epi) + kStashBytes + c * 64 * kQPitch;
+#pragma unroll
+      for (int sub = 0; sub < 2; ++sub)
+#pragma unroll
+        for (int i = 0; i < 16; ++i) {
+          const int j = i >> 1, h = i & 1;
+          const uint32_t v = hp[sub][i];
+          *reinterpret_cast<uint16_t*>(stage_q + (r_lo - 64 * c + 8 * h) * kQPitch + 64 * sub + 8 * j + 2 * quad) =
+              dsa_fp8::quant2(__uint_as_float(v << 16), __uint_as_float(v & 0xFFFF0000u), sc[h], g.pow2 != 0);
+        }
+      named_bar_sync(2 + c, 128);
+      const int64_t row0 = t0 + 64 * c;
+      uint8_t* qh = g.qh + static_cast<int64_t>(w.w_tile) * kBlock;
+      for (int v = ct; v < 64 * (kBlock / 16); v += 128) {
+        const int r = v / (kBlock / 16), ch = v % (kBlock / 16);
+        if (row0 + r < t_end)
+          *reinterpret_cast<uint4*>(qh + (row0 + r) * g.qh_stride + 16 * ch) =
+              *reinterpret_cast<const uint4*>(stage_q + r * kQPitch + 16 * ch);
+      }
+      if (quad == 0) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+          if (t0 + r_lo + 8 * h < t_end) g.sh[static_cast<int64_t>(w.w_tile) * g.sh_stride + t0 + r_lo + 8 * h] = sc[h];
+      }
+      named_bar_sync(2 + c, 128);  // the staging rows are free for the next unit
+    } else if constexpr (kF32Out) {
       // partial slab of this split: [rows][part_stride] fp32, columns past N land in the padding
       float* part = static_cast<float*>(g.out) + static_cast<int64_t>(w.kb_begin / g.kb_per_split) *
                                                      g.out_split_stride;
@@ -554,7 +681,8 @@ __device__ __forceinline__ void consumer(const WsArgs& g, const CUtensorMap* map
   }
 }
 
-template <bool kSwap, int BT, bool kF32Out, int kMc, bool kPipe = false, bool kTmaStore = false>
+template <bool kSwap, int BT, bool kF32Out, int kMc, bool kPipe = false, bool kTmaStore = false,
+          bool kSwiGLU = false>
 __global__ void __launch_bounds__(kThreads, 1)
     fp8_gemm_ws_kernel(const WsArgs g, const __grid_constant__ CUtensorMap map_w,
                        const __grid_constant__ CUtensorMap map_x, const __grid_constant__ CUtensorMap map_s,
@@ -585,7 +713,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (threadIdx.x < 128) {
     setmaxnreg_dec<kProducerRegs>();
     if (threadIdx.x == 0)
-      producer<kSwap, BT, kMc, kTmaStore>(g, &map_w, &map_x, &map_s, smem, full0, empty0, units, cluster, clusters, rank);
+      producer<kSwap, BT, kMc, kTmaStore, kSwiGLU>(g, &map_w, &map_x, &map_s, smem, full0, empty0, units, cluster, clusters, rank);
     // the rest of the producer warpgroup has no work (its dependents may launch: no global access)
     else asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
   } else {
@@ -593,7 +721,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     // Consumers read only what the producer's TMA loads (ordered by the mbarriers) and w_scale
     // (not written by the quantiser); their output stores follow the producer's wait.
     asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-    consumer<kSwap, BT, kF32Out, kMc, kPipe, kTmaStore>(g, &map_o, smem, full0, empty0, units, threadIdx.x / 128 - 1, cluster, clusters, rank);
+    consumer<kSwap, BT, kF32Out, kMc, kPipe, kTmaStore, kSwiGLU>(g, &map_o, smem, full0, empty0, units, threadIdx.x / 128 - 1, cluster, clusters, rank);
   }
   // No CTA leaves while its peer may still arrive on its barriers (every multicast into this CTA
   // was consumed here already: its consumers waited for the stages).

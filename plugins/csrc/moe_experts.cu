@@ -6,18 +6,22 @@
 //      per local expert, exclusive scan, the expert-sorted pair list
 //      (stable: pair order within an expert), pair -> position map, and the tile table of the
 //      grouped GEMMs (tiles of BN positions of one expert; their count is on the device).
-//   2. act_quant of x, once per token (fp8_linear.cu's numerics, here per 128 columns of D).
+//   2. act_quant of x (fp8_linear.cu's numerics, here per 128 columns of D): once per token
+//      (legacy), or written to each of its positions in the sorted order (tma paths).
 //   3. grouped GEMM 1 over (128 rows of w13_e) x (tiles) -> gate|up bf16 [P, 2I], one of
-//      - "tma-pipe" (prefill: more than 64 pairs per local expert on average, or
-//        DSA_MOE_GEMM_PATH=tma-pipe; "tma" the same without the pipelined mainloop):
-//        fp8_gemm_ws.cuh's warp-specialised TMA GEMM with kPipe, grouped (128 positions x 128 weight rows per
-//        unit, a persistent grid over the units of the device's tile count). TMA cannot gather
-//        rows, so step 2' copies the quantised rows of x per position, in the sorted order (P
-//        rows, not T);
+//      - "tma-fused" (prefill: more than 64 pairs per local expert on average, I % 128 == 0; or
+//        DSA_MOE_GEMM_PATH=tma-fused): fp8_gemm_ws.cuh's warp-specialised TMA GEMM with kPipe and
+//        kSwiGLU, grouped (128 positions x one 128-column group of h per unit: its 64 + 64 gate
+//        and up rows twice; a persistent grid over the units of the device's tile count), step 4
+//        in its epilogue (no gate|up in memory). TMA cannot gather rows, so step 2 writes the
+//        quantised rows of x per position, in the sorted order (P rows, not T);
+//      - "tma-pipe" (the same GEMM unfused: 128 positions x 128 weight rows per unit; prefill when
+//        I % 128 != 0, or DSA_MOE_GEMM_PATH=tma-pipe; "tma" also without the pipelined mainloop);
 //      - "legacy" (decode): fp8_gemm.cuh's cp.async swap-AB tile, BN = 8..128 positions per
 //        tile, x rows gathered through the sorted pair list. Grid: the static bound
 //        sum_e ceil(P_e / BN) <= ceil(P / BN) + E_local tiles; CTAs past the real count exit.
-//   4. swiglu_quant: h = bf16(silu(gate) * up) in fp32, act_quant per 128 columns -> e4m3 + scales.
+//   4. swiglu_quant: h = bf16(silu(gate) * up) in fp32, act_quant per 128 columns -> e4m3 + scales
+//      (a kernel of its own unless fused into 3).
 //   5. grouped GEMM 2 (down, the same path) -> y bf16 [P, D].
 //   6. combine: out[t] = sum_j w[t, j] * y[pos(t, j)] in fp32, in ascending expert order (the
 //      reference's; deterministic, no atomics); tokens without a local pair get 0.
@@ -201,25 +205,33 @@ __global__ void __launch_bounds__(256) moe_act_quant_kernel(const uint16_t* __re
   quant_group_store(v, pow2 != 0, q + t * nkb * kBlock + kb * kBlock, scale + t * nkb + kb, lane);
 }
 
-// ---------------------------------------------------------------- 2'. gather (tma path)
-// Row q < *total of q_out = row sorted_token[q] of the per-token quantised x (step 2), 16 bytes a
-// thread; the thread of chunk kb < nkb also moves the scale, to scale_out[kb * p_pad + q]
-// (transposed: a tile's scales of one K block are one TMA box). Positions past the routed count
-// are left unwritten (their output rows are not stored).
-__global__ void __launch_bounds__(256) moe_gather_rows_kernel(const uint8_t* __restrict__ q, const float* __restrict__ scale,
-                                                               int64_t num_pos, const int32_t* total,
-                                                               const int32_t* sorted_token, int nkb,
-                                                               uint8_t* __restrict__ q_out, float* __restrict__ scale_out,
-                                                               int64_t p_pad) {
-  const int64_t chunks = static_cast<int64_t>(nkb) * (kBlock / 16);  // 16-byte chunks per row
-  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i >= num_pos * chunks) return;
-  const int64_t pos = i / chunks;
-  const int c = static_cast<int>(i % chunks);
-  if (pos >= *total) return;
-  const int64_t t = sorted_token[pos];
-  reinterpret_cast<uint4*>(q_out + pos * chunks * 16)[c] = reinterpret_cast<const uint4*>(q + t * chunks * 16)[c];
-  if (c < nkb) scale_out[c * p_pad + pos] = scale[t * nkb + c];
+// ---------------------------------------------------------------- 2 (tma paths). act_quant into the positions
+// One warp per (token t, K block kb): the 1x128 quantiser of step 2, its bytes written to each of
+// the token's local positions pair_pos[t * top_k + j] >= 0 (rows of q_out, nkb 128 bytes) and the
+// scale to scale_out[kb * p_pad + pos] (transposed: a tile's scales of one K block are one TMA box).
+// The same bytes as step 2 then a copy per position, without the per-token rows in between.
+__global__ void __launch_bounds__(256) moe_act_quant_scatter_kernel(const uint16_t* __restrict__ x, int64_t num_tokens,
+                                                                     int d, int nkb, const int32_t* __restrict__ pair_pos,
+                                                                     int top_k, uint8_t* __restrict__ q_out,
+                                                                     float* __restrict__ scale_out, int64_t p_pad,
+                                                                     int pow2, int vec) {
+  const int64_t gw = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+  const int lane = threadIdx.x & 31;
+  if (gw >= num_tokens * nkb) return;
+  const int64_t t = gw / nkb;
+  const int kb = static_cast<int>(gw % nkb);
+  const int k0 = kb * kBlock + 4 * lane;
+  const int my_pos = lane < top_k ? pair_pos[t * top_k + lane] : -1;  // top_k <= kMaxTopK = 32
+  float v[4];
+  load_bf16x4(x + t * d + k0, d - k0, vec != 0, v);
+  float s;
+  const uint32_t q = quant_group(v, pow2 != 0, &s);
+  for (int j = 0; j < top_k; ++j) {
+    const int pos = __shfl_sync(0xffffffffu, my_pos, j);
+    if (pos < 0) continue;
+    reinterpret_cast<uint32_t*>(q_out + (static_cast<int64_t>(pos) * nkb + kb) * kBlock)[lane] = q;
+    if (lane == 0) scale_out[kb * p_pad + pos] = s;
+  }
 }
 
 // ---------------------------------------------------------------- 3 / 5. grouped fp8 GEMM
@@ -255,9 +267,8 @@ __global__ void __launch_bounds__(256) moe_bf16_gemm_kernel(const uint16_t* __re
 }
 
 // ---------------------------------------------------------------- 4. swiglu + act_quant
-// One warp per (position, 128 columns of I). h = bf16(silu(g) * u) from the bf16 gate/up (the
-// reference casts the fp32 product to bf16 before the down linear); then the 1x128 quantiser, its
-// scale at sh[q * st_q + kb * st_kb] ([P, nkb] for the legacy GEMM, [nkb, p_pad] for the TMA one),
+// One warp per (position, 128 columns of I). h = swiglu_bf16(gate, up) from the bf16 gate/up;
+// then the 1x128 quantiser, its scale at sh[q * st_q + kb * st_kb] ([P, nkb] for the legacy GEMM, [nkb, p_pad] for the TMA one),
 // or (bf16 weights) h stored as is.
 __global__ void __launch_bounds__(256) moe_swiglu_kernel(const uint16_t* __restrict__ gu, int64_t num_pos,
                                                           const int32_t* total, int inter, int nkb,
@@ -276,8 +287,7 @@ __global__ void __launch_bounds__(256) moe_swiglu_kernel(const uint16_t* __restr
   load_bf16x4(gu + q * 2 * inter + inter + i0, inter - i0, vec != 0, u4);
 #pragma unroll
   for (int e = 0; e < 4; ++e) {
-    const float silu = __fdiv_rn(g4[e], __fadd_rn(1.f, expf(-g4[e])));
-    v[e] = i0 + e < inter ? bf16_bits_to_float(float_to_bf16_bits(__fmul_rn(silu, u4[e]))) : 0.f;
+    v[e] = i0 + e < inter ? swiglu_bf16(g4[e], u4[e]) : 0.f;
     if (h_bf16 && i0 + e < inter) h_bf16[q * inter + i0 + e] = float_to_bf16_bits(v[e]);
   }
   if (!h_bf16) quant_group_store(v, pow2 != 0, qh + q * nkb * kBlock + kb * kBlock, sh + q * st_q + kb * st_kb, lane);
@@ -344,13 +354,14 @@ __global__ void __launch_bounds__(256) moe_combine_kernel(const uint16_t* __rest
 }
 
 // ---------------------------------------------------------------- plan and workspace
-enum class GemmPath { kAuto, kTma, kTmaPipe, kLegacy };
+enum class GemmPath { kAuto, kTma, kTmaPipe, kTmaFused, kLegacy };
 
 struct MoePlan {
   int64_t pairs, p_pad;  // P, and P rounded up to 4 (the transposed scales' 16-byte rows)
   int nkb_d, nkb_i, bn, max_tiles, prep_chunks;
   bool tma;              // the expert GEMMs on fp8_gemm_ws.cuh (bn = 128)
   bool pipe;             // ... with its pipelined mainloop (kPipe; DSA_MOE_GEMM_PATH=tma: without)
+  bool fused;            // ... and step 4 in the gate/up GEMM's epilogue (kSwiGLU; needs I % 128 == 0)
   size_t off_qx, off_sx, off_qxs, off_sxs, off_gu, off_qh, off_sh, off_y, off_sorted_token, off_sorted_expert,
       off_pair_pos, off_offsets, off_tile_expert, off_tile_start, off_chunk_cnt, total;
 };
@@ -378,9 +389,11 @@ static MoePlan plan_moe(int64_t t, int top_k, int num_local, int d, int inter, i
   p.nkb_i = static_cast<int>(dsa_ceil_div(std::max(inter, 1), kBlock));
   p.bn = pick_bn(dsa_ceil_div(p.pairs, e));
   const bool fp8 = fmt == DSA_MOE_FP8_BLOCK;
-  p.tma = fp8 && (forced == GemmPath::kTma || forced == GemmPath::kTmaPipe ||
+  p.tma = fp8 && (forced == GemmPath::kTma || forced == GemmPath::kTmaPipe || forced == GemmPath::kTmaFused ||
                   (forced == GemmPath::kAuto && p.bn == kTileM));
-  p.pipe = p.tma && forced != GemmPath::kTma;  // tma-pipe, the automatic prefill path
+  p.pipe = p.tma && forced != GemmPath::kTma;
+  // tma-fused, the automatic prefill path where its 128-column h groups tile I exactly
+  p.fused = p.pipe && forced != GemmPath::kTmaPipe && inter % kBlock == 0;
   if (p.tma) p.bn = kTileM;
   p.max_tiles = static_cast<int>(dsa_ceil_div(p.pairs, p.bn) + e);
   const size_t P = static_cast<size_t>(p.pairs), D = std::max(d, 0), I = std::max(inter, 0);
@@ -429,24 +442,34 @@ static int forced_path(GemmPath* out) {
   if (e == nullptr || *e == '\0' || strcmp(e, "auto") == 0) return DSA_OK;
   if (strcmp(e, "tma") == 0) *out = GemmPath::kTma;
   else if (strcmp(e, "tma-pipe") == 0) *out = GemmPath::kTmaPipe;
+  else if (strcmp(e, "tma-fused") == 0) *out = GemmPath::kTmaFused;
   else if (strcmp(e, "legacy") == 0) *out = GemmPath::kLegacy;
   else
-    return dsa_set_error(DSA_ERR_INVALID_ARG, "moe_experts: DSA_MOE_GEMM_PATH=%s unknown (auto, tma, tma-pipe, legacy)", e);
+    return dsa_set_error(DSA_ERR_INVALID_ARG, "moe_experts: DSA_MOE_GEMM_PATH=%s unknown (auto, tma, tma-pipe, tma-fused, legacy)", e);
   return DSA_OK;
 }
 
 // The grouped TMA GEMM: out[q, n] over the positions q of the tile table (128 per tile) and the
 // n < N rows of their expert's weight (w: [E_local N, K] e4m3, ws: [E_local][ceil(N/128), nkb]);
 // a: [P, nkb 128] e4m3 positions, as: their scales [nkb, p_pad].
+// Fused (gate/up only, N = 2I, plan.fused): h's e4m3 rows qh [P, I] and scales sh [I / 128, p_pad]
+// instead of out (fp8_gemm_ws.cuh kSwiGLU).
+struct FusedSwiglu {
+  int inter, pow2;
+  uint8_t* qh;
+  float* sh;
+};
 static int launch_grouped_tma(const uint8_t* w, const float* ws, int e_local, int n, int k, const uint8_t* a,
                               const float* as, int64_t pairs, int64_t p_pad, uint16_t* out, const MoePlan& plan,
                               const int32_t* tile_expert, const int32_t* tile_start, const int32_t* offsets,
-                              const int32_t* num_tiles, cudaStream_t stream) {
+                              const int32_t* num_tiles, const FusedSwiglu* fused, cudaStream_t stream) {
   using namespace dsa_fp8_ws;
   const int nkb = static_cast<int>(dsa_ceil_div(k, kBlock));
   CUtensorMap mw, mx, ms;
+  // the fused tile loads 64 gate and 64 up rows per stage: two 64-row boxes
   int st = encode_tensor_map_2d(&mw, w, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, k, static_cast<uint64_t>(e_local) * n, k,
-                                kBlock, kTileM, CU_TENSOR_MAP_SWIZZLE_128B, "moe_experts: expert weights");
+                                kBlock, fused ? kTileM / 2 : kTileM, CU_TENSOR_MAP_SWIZZLE_128B,
+                                "moe_experts: expert weights");
   if (st != DSA_OK) return st;
   st = encode_tensor_map_2d(&mx, a, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, static_cast<uint64_t>(nkb) * kBlock, pairs,
                             static_cast<uint64_t>(nkb) * kBlock, kBlock, kTileM, CU_TENSOR_MAP_SWIZZLE_128B,
@@ -463,7 +486,7 @@ static int launch_grouped_tma(const uint8_t* w, const float* ws, int e_local, in
   g.out_stride = n;  // bf16 rows (one split: the grouped units read no split fields)
   g.n = n;
   g.nkb = nkb;
-  g.w_tiles = static_cast<int>(dsa_ceil_div(n, kTileM));
+  g.w_tiles = static_cast<int>(dsa_ceil_div(fused ? n / 2 : n, kTileM));  // fused: h's 128-column groups
   g.vec_store = (reinterpret_cast<uintptr_t>(out) & 15) == 0 && n % 8 == 0;
   g.tile_expert = tile_expert;
   g.tile_start = tile_start;
@@ -472,7 +495,17 @@ static int launch_grouped_tma(const uint8_t* w, const float* ws, int e_local, in
   g.w_expert_rows = n;
   g.ws_expert_stride = dsa_ceil_div(n, kTileM) * nkb;
   g.s_box = kScaleBox;
-  auto kernel = plan.pipe ? fp8_gemm_ws_kernel<false, kTileM, false, 1, true> : fp8_gemm_ws_kernel<false, kTileM, false, 1>;
+  if (fused) {
+    g.inter = fused->inter;
+    g.qh = fused->qh;
+    g.qh_stride = fused->inter;
+    g.sh = fused->sh;
+    g.sh_stride = p_pad;
+    g.pow2 = fused->pow2;
+  }
+  auto kernel = fused       ? fp8_gemm_ws_kernel<false, kTileM, false, 1, true, false, true>
+                : plan.pipe ? fp8_gemm_ws_kernel<false, kTileM, false, 1, true>
+                            : fp8_gemm_ws_kernel<false, kTileM, false, 1>;
   constexpr int smem = WsTile<false, kTileM>::kSmem;
   st = dsa_kernel_attributes("moe_experts", reinterpret_cast<const void*>(kernel), smem);
   if (st != DSA_OK) return st;
@@ -539,13 +572,13 @@ extern "C" size_t dsa_moe_experts_workspace_size(int64_t num_tokens, int top_k, 
   return plan_moe(num_tokens, top_k, num_local_experts, hidden, inter, weight_format).total;
 }
 
-extern "C" const char* dsa_moe_experts_path(int64_t num_tokens, int top_k, int num_local_experts) {
+extern "C" const char* dsa_moe_experts_path(int64_t num_tokens, int top_k, int num_local_experts, int inter) {
   static thread_local char text[48];
   GemmPath forced = GemmPath::kAuto;
   if (forced_path(&forced) != DSA_OK) return "invalid DSA_MOE_GEMM_PATH";
-  const MoePlan p = plan_moe(num_tokens, top_k, num_local_experts, 1, 1, DSA_MOE_FP8_BLOCK, forced);
+  const MoePlan p = plan_moe(num_tokens, top_k, num_local_experts, 1, inter, DSA_MOE_FP8_BLOCK, forced);
   if (p.tma)
-    snprintf(text, sizeof(text), p.pipe ? "tma-pipe 128x128" : "tma 128x128");
+    snprintf(text, sizeof(text), p.fused ? "tma-fused 128x128" : p.pipe ? "tma-pipe 128x128" : "tma 128x128");
   else
     snprintf(text, sizeof(text), "legacy 128x%d", p.bn);
   return text;
@@ -639,35 +672,47 @@ extern "C" int dsa_launch_moe_experts(const DsaMoeExpertsParams* p, cudaStream_t
     auto expert_gemm = [&](const void* w, const float* ws, int n, int k, const uint8_t* a, const float* as,
                            const int32_t* a_index, uint16_t* out) {
       return plan.tma ? launch_grouped_tma(static_cast<const uint8_t*>(w), ws, E, n, k, a, as, pairs, plan.p_pad, out,
-                                           plan, tile_expert, tile_start, offsets, num_tiles, stream)
+                                           plan, tile_expert, tile_start, offsets, num_tiles, nullptr, stream)
                       : launch_grouped_cp(static_cast<const uint8_t*>(w), ws, n, k, a, as, a_index, out, plan,
                                           tile_expert, tile_start, offsets, num_tiles, stream);
     };
-    // 2. x -> e4m3, once per token
-    moe_act_quant_kernel<<<static_cast<unsigned>(dsa_ceil_div(p->num_tokens * plan.nkb_d * 32, 256)), 256, 0,
-                           stream>>>(static_cast<const uint16_t*>(p->x), p->num_tokens, D, plan.nkb_d, qx, sx,
-                                     p->pow2_act_scales, (reinterpret_cast<uintptr_t>(p->x) & 7) == 0);
-    DSA_CUDA_CHECK_LAUNCH();
+    // 2. x -> e4m3: once per token (legacy: its rows gathered through the sorted list), or (tma:
+    // TMA cannot gather rows) written to each of the token's positions, in the sorted order
+    const unsigned quant_blocks = static_cast<unsigned>(dsa_ceil_div(p->num_tokens * plan.nkb_d * 32, 256));
+    const bool x_vec = (reinterpret_cast<uintptr_t>(p->x) & 7) == 0;
     const uint8_t* a1 = qx;
     const float* s1 = sx;
     const int32_t* a1_index = sorted_token;
-    if (plan.tma) {  // 2'. its rows per position, in the sorted order (scales transposed)
+    if (plan.tma) {
       uint8_t* qxs = at(plan.off_qxs);
       float* sxs = reinterpret_cast<float*>(at(plan.off_sxs));
-      moe_gather_rows_kernel<<<static_cast<unsigned>(dsa_ceil_div(pairs * plan.nkb_d * (kBlock / 16), 256)), 256,
-                               0, stream>>>(qx, sx, pairs, total, sorted_token, plan.nkb_d, qxs, sxs, plan.p_pad);
-      DSA_CUDA_CHECK_LAUNCH();
+      moe_act_quant_scatter_kernel<<<quant_blocks, 256, 0, stream>>>(static_cast<const uint16_t*>(p->x),
+                                                                      p->num_tokens, D, plan.nkb_d, pair_pos,
+                                                                      p->top_k, qxs, sxs, plan.p_pad,
+                                                                      p->pow2_act_scales, x_vec);
       a1 = qxs;
       s1 = sxs;
       a1_index = nullptr;
+    } else {
+      moe_act_quant_kernel<<<quant_blocks, 256, 0, stream>>>(static_cast<const uint16_t*>(p->x), p->num_tokens, D,
+                                                             plan.nkb_d, qx, sx, p->pow2_act_scales, x_vec);
     }
-    // 3. gate | up
-    if ((st = expert_gemm(p->w13, p->w13_scale, 2 * I, D, a1, s1, a1_index, gu)) != DSA_OK) return st;
-    // 4. h = e4m3(bf16(silu(gate) * up)); scales [P, nkb] (legacy) or transposed [nkb, p_pad] (tma)
-    moe_swiglu_kernel<<<swiglu_blocks, 256, 0, stream>>>(gu, pairs, total, I, plan.nkb_i, qh, sh,
-                                                         plan.tma ? 1 : plan.nkb_i, plan.tma ? plan.p_pad : 1, nullptr,
-                                                         p->pow2_act_scales, 1);  // I % 16 == 0
     DSA_CUDA_CHECK_LAUNCH();
+    if (plan.fused) {  // 3 + 4 in one kernel
+      const FusedSwiglu f{I, p->pow2_act_scales, qh, sh};
+      if ((st = launch_grouped_tma(static_cast<const uint8_t*>(p->w13), p->w13_scale, E, 2 * I, D, a1, s1, pairs,
+                                   plan.p_pad, nullptr, plan, tile_expert, tile_start, offsets, num_tiles, &f,
+                                   stream)) != DSA_OK)
+        return st;
+    } else {
+      // 3. gate | up
+      if ((st = expert_gemm(p->w13, p->w13_scale, 2 * I, D, a1, s1, a1_index, gu)) != DSA_OK) return st;
+      // 4. h = e4m3(bf16(silu(gate) * up)); scales [P, nkb] (legacy) or transposed [nkb, p_pad] (tma)
+      moe_swiglu_kernel<<<swiglu_blocks, 256, 0, stream>>>(gu, pairs, total, I, plan.nkb_i, qh, sh,
+                                                           plan.tma ? 1 : plan.nkb_i, plan.tma ? plan.p_pad : 1,
+                                                           nullptr, p->pow2_act_scales, 1);  // I % 16 == 0
+      DSA_CUDA_CHECK_LAUNCH();
+    }
     // 5. down
     if ((st = expert_gemm(p->w2, p->w2_scale, D, I, qh, sh, nullptr, y)) != DSA_OK) return st;
   } else {
