@@ -631,10 +631,22 @@ __device__ __forceinline__ void consumer(const WsArgs& g, const CUtensorMap* map
       fence_proxy_async();  // this thread's tile writes, visible to the TMA unit
       named_bar_sync(bar_id, 128);
       const int64_t row0 = t0 + 64 * c;
-      if (ct == 0 && row0 < t_end) {
-        tma_store_2d(map_o, smem_u32(tile), n0, static_cast<int>(row0));
-        if (n0 + 64 < g.n) tma_store_2d(map_o, smem_u32(tile + 64 * 128), n0 + 64, static_cast<int>(row0));
-        tma_store_commit();
+      if (row0 + 64 <= t_end || t_end == g.rows) {  // whole rows, or clipped at the tensor's end
+        if (ct == 0 && row0 < t_end) {
+          tma_store_2d(map_o, smem_u32(tile), n0, static_cast<int>(row0));
+          if (n0 + 64 < g.n) tma_store_2d(map_o, smem_u32(tile + 64 * 128), n0 + 64, static_cast<int>(row0));
+          tma_store_commit();
+        }
+      } else {
+        // a grouped tile ending inside the tensor (the rows after t_end are the next expert's):
+        // rows [row0, t_end) in 16-byte segments read from the swizzled tile
+        uint16_t* out = static_cast<uint16_t*>(g.out);
+        for (int v = ct; v < 64 * (kTileM / 8); v += 128) {
+          const int r = v / (kTileM / 8), q = v % (kTileM / 8), n = n0 + 8 * q;
+          if (row0 + r >= t_end || n >= g.n) continue;
+          *reinterpret_cast<uint4*>(out + (row0 + r) * g.out_stride + n) = *reinterpret_cast<const uint4*>(
+              tile + (q >> 3) * 64 * 128 + r * 128 + (((q & 7) ^ (r & 7)) << 4));
+        }
       }
     } else {
       // stage bf16 [token][weight row] in shared memory, then 16-byte row segments to global

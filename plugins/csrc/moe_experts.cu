@@ -495,6 +495,15 @@ static int launch_grouped_tma(const uint8_t* w, const float* ws, int e_local, in
   g.w_expert_rows = n;
   g.ws_expert_stride = dsa_ceil_div(n, kTileM) * nkb;
   g.s_box = kScaleBox;
+  // pipelined and unfused: the bf16 tiles leave by TMA stores (whole 64-row halves; a tile's rows
+  // that end inside its expert by 16-byte segments: g.rows = 0 never matches a tile's end)
+  const bool tma_store = plan.pipe && !fused && g.vec_store;
+  CUtensorMap mo = mw;
+  if (tma_store) {
+    st = encode_tensor_map_2d(&mo, out, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, n, pairs, static_cast<uint64_t>(n) * 2,
+                              64, 64, CU_TENSOR_MAP_SWIZZLE_128B, "moe_experts: expert GEMM out");
+    if (st != DSA_OK) return st;
+  }
   if (fused) {
     g.inter = fused->inter;
     g.qh = fused->qh;
@@ -504,9 +513,10 @@ static int launch_grouped_tma(const uint8_t* w, const float* ws, int e_local, in
     g.pow2 = fused->pow2;
   }
   auto kernel = fused       ? fp8_gemm_ws_kernel<false, kTileM, false, 1, true, false, true>
+                : tma_store ? fp8_gemm_ws_kernel<false, kTileM, false, 1, true, true>
                 : plan.pipe ? fp8_gemm_ws_kernel<false, kTileM, false, 1, true>
                             : fp8_gemm_ws_kernel<false, kTileM, false, 1>;
-  constexpr int smem = WsTile<false, kTileM>::kSmem;
+  const int smem = tma_store ? WsTile<false, kTileM, true>::kSmem : WsTile<false, kTileM>::kSmem;
   st = dsa_kernel_attributes("moe_experts", reinterpret_cast<const void*>(kernel), smem);
   if (st != DSA_OK) return st;
   int dev = 0, sms = 0;
@@ -518,7 +528,7 @@ static int launch_grouped_tma(const uint8_t* w, const float* ws, int e_local, in
                       (long long)e_local * n);
   // a persistent grid: CTA b runs units b, b + grid, ... of the units the tile count gives
   const unsigned grid = static_cast<unsigned>(std::min<int64_t>(max_units, std::max(sms, 1)));
-  kernel<<<grid, dsa_fp8_ws::kThreads, smem, stream>>>(g, mw, mx, ms, mw);  // no TMA-store map
+  kernel<<<grid, dsa_fp8_ws::kThreads, smem, stream>>>(g, mw, mx, ms, mo);
   DSA_CUDA_CHECK_LAUNCH();
   return DSA_OK;
 }
