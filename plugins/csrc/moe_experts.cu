@@ -190,10 +190,17 @@ __global__ void __launch_bounds__(kPrepThreads) moe_prep_kernel(const int32_t* _
   }
 }
 
-// ---------------------------------------------------------------- 2. act_quant of x (contiguous rows)
+// ---------------------------------------------------------------- 2. act_quant of x
+// One warp per (token t, K block kb), the 1x128 quantiser. pair_pos NULL (legacy): the token's row
+// of q [T, nkb 128] and its scale at scale[t * nkb + kb]. Else (tma paths: TMA cannot gather rows)
+// the bytes go to each of the token's local positions pos = pair_pos[t * top_k + j] >= 0 (rows of
+// q [P, nkb 128]) and the scale to scale[kb * p_pad + pos] (transposed: a tile's scales of one K
+// block are one TMA box).
 __global__ void __launch_bounds__(256) moe_act_quant_kernel(const uint16_t* __restrict__ x, int64_t num_tokens,
-                                                             int d, int nkb, uint8_t* __restrict__ q,
-                                                             float* __restrict__ scale, int pow2, int vec) {
+                                                             int d, int nkb, const int32_t* __restrict__ pair_pos,
+                                                             int top_k, uint8_t* __restrict__ q,
+                                                             float* __restrict__ scale, int64_t p_pad, int pow2,
+                                                             int vec) {
   const int64_t gw = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
   const int lane = threadIdx.x & 31;
   if (gw >= num_tokens * nkb) return;
@@ -202,35 +209,18 @@ __global__ void __launch_bounds__(256) moe_act_quant_kernel(const uint16_t* __re
   const int k0 = kb * kBlock + 4 * lane;
   float v[4];
   load_bf16x4(x + t * d + k0, d - k0, vec != 0, v);
-  quant_group_store(v, pow2 != 0, q + t * nkb * kBlock + kb * kBlock, scale + t * nkb + kb, lane);
-}
-
-// ---------------------------------------------------------------- 2 (tma paths). act_quant into the positions
-// One warp per (token t, K block kb): the 1x128 quantiser of step 2, its bytes written to each of
-// the token's local positions pair_pos[t * top_k + j] >= 0 (rows of q_out, nkb 128 bytes) and the
-// scale to scale_out[kb * p_pad + pos] (transposed: a tile's scales of one K block are one TMA box).
-// The same bytes as step 2 then a copy per position, without the per-token rows in between.
-__global__ void __launch_bounds__(256) moe_act_quant_scatter_kernel(const uint16_t* __restrict__ x, int64_t num_tokens,
-                                                                     int d, int nkb, const int32_t* __restrict__ pair_pos,
-                                                                     int top_k, uint8_t* __restrict__ q_out,
-                                                                     float* __restrict__ scale_out, int64_t p_pad,
-                                                                     int pow2, int vec) {
-  const int64_t gw = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
-  const int lane = threadIdx.x & 31;
-  if (gw >= num_tokens * nkb) return;
-  const int64_t t = gw / nkb;
-  const int kb = static_cast<int>(gw % nkb);
-  const int k0 = kb * kBlock + 4 * lane;
+  if (pair_pos == nullptr) {
+    quant_group_store(v, pow2 != 0, q + (t * nkb + kb) * kBlock, scale + t * nkb + kb, lane);
+    return;
+  }
   const int my_pos = lane < top_k ? pair_pos[t * top_k + lane] : -1;  // top_k <= kMaxTopK = 32
-  float v[4];
-  load_bf16x4(x + t * d + k0, d - k0, vec != 0, v);
   float s;
-  const uint32_t q = quant_group(v, pow2 != 0, &s);
+  const uint32_t packed = quant_group(v, pow2 != 0, &s);
   for (int j = 0; j < top_k; ++j) {
     const int pos = __shfl_sync(0xffffffffu, my_pos, j);
     if (pos < 0) continue;
-    reinterpret_cast<uint32_t*>(q_out + (static_cast<int64_t>(pos) * nkb + kb) * kBlock)[lane] = q;
-    if (lane == 0) scale_out[kb * p_pad + pos] = s;
+    reinterpret_cast<uint32_t*>(q + (static_cast<int64_t>(pos) * nkb + kb) * kBlock)[lane] = packed;
+    if (lane == 0) scale[kb * p_pad + pos] = s;
   }
 }
 
@@ -690,23 +680,12 @@ extern "C" int dsa_launch_moe_experts(const DsaMoeExpertsParams* p, cudaStream_t
     // TMA cannot gather rows) written to each of the token's positions, in the sorted order
     const unsigned quant_blocks = static_cast<unsigned>(dsa_ceil_div(p->num_tokens * plan.nkb_d * 32, 256));
     const bool x_vec = (reinterpret_cast<uintptr_t>(p->x) & 7) == 0;
-    const uint8_t* a1 = qx;
-    const float* s1 = sx;
-    const int32_t* a1_index = sorted_token;
-    if (plan.tma) {
-      uint8_t* qxs = at(plan.off_qxs);
-      float* sxs = reinterpret_cast<float*>(at(plan.off_sxs));
-      moe_act_quant_scatter_kernel<<<quant_blocks, 256, 0, stream>>>(static_cast<const uint16_t*>(p->x),
-                                                                      p->num_tokens, D, plan.nkb_d, pair_pos,
-                                                                      p->top_k, qxs, sxs, plan.p_pad,
-                                                                      p->pow2_act_scales, x_vec);
-      a1 = qxs;
-      s1 = sxs;
-      a1_index = nullptr;
-    } else {
-      moe_act_quant_kernel<<<quant_blocks, 256, 0, stream>>>(static_cast<const uint16_t*>(p->x), p->num_tokens, D,
-                                                             plan.nkb_d, qx, sx, p->pow2_act_scales, x_vec);
-    }
+    uint8_t* a1 = plan.tma ? at(plan.off_qxs) : qx;
+    float* s1 = plan.tma ? reinterpret_cast<float*>(at(plan.off_sxs)) : sx;
+    const int32_t* a1_index = plan.tma ? nullptr : sorted_token;
+    moe_act_quant_kernel<<<quant_blocks, 256, 0, stream>>>(static_cast<const uint16_t*>(p->x), p->num_tokens, D,
+                                                           plan.nkb_d, plan.tma ? pair_pos : nullptr, p->top_k, a1,
+                                                           s1, plan.p_pad, p->pow2_act_scales, x_vec);
     DSA_CUDA_CHECK_LAUNCH();
     if (plan.fused) {  // 3 + 4 in one kernel
       const FusedSwiglu f{I, p->pow2_act_scales, qh, sh};
