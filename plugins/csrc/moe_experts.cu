@@ -366,8 +366,16 @@ static int pick_bn(int64_t avg_pairs) {
   return 128;
 }
 
-// The path and tile width depend on (T, top_k, E_local) and DSA_MOE_GEMM_PATH only; the
-// workspace reserves what either path needs, so its size is known without a device.
+// The path and tile width depend on (T, top_k, E_local) and DSA_MOE_GEMM_PATH only. The workspace's
+// size is the same for every path, so it is known without a device: one region of P rows holds the
+// per-position buffers, each placed where it overlaps only buffers that are dead by the time it is
+// written (per position: X = x in e4m3, G = bf16 gate|up, H = h, Y = bf16 y; Q = max(X, G, Y)):
+//   y at 0 (written by the down GEMM, after x and gate|up are last read);
+//   gate|up at 0 (the unfused paths: read by step 4 only, before the down GEMM writes y);
+//   h at Q (live from step 4 or the fused epilogue until the down GEMM has read it);
+//   x at 0 (tma-fused: read by the gate/up GEMM, which writes h at Q) or at G (the unfused paths,
+//   beside gate|up; legacy quantises x once per token, T rows there).
+// At V3.2's D = 7168, I = 2048 that is 16 KB per position instead of the 31 KB of separate buffers.
 static MoePlan plan_moe(int64_t t, int top_k, int num_local, int d, int inter, int fmt,
                         GemmPath forced = GemmPath::kAuto) {
   MoePlan p{};
@@ -387,20 +395,22 @@ static MoePlan plan_moe(int64_t t, int top_k, int num_local, int d, int inter, i
   if (p.tma) p.bn = kTileM;
   p.max_tiles = static_cast<int>(dsa_ceil_div(p.pairs, p.bn) + e);
   const size_t P = static_cast<size_t>(p.pairs), D = std::max(d, 0), I = std::max(inter, 0);
-  size_t o = 0;
+  const size_t X = fp8 ? P * p.nkb_d * kBlock : 0, G = align256(P * 2 * I * 2), Y = P * D * 2;
+  const size_t H = fp8 ? P * p.nkb_i * kBlock : P * I * 2;
+  const size_t Q = align256(std::max({X, G, Y}));
+  p.off_y = p.off_gu = 0;
+  p.off_qh = Q;
+  p.off_qxs = p.fused ? 0 : G;  // the tma paths' per-position x
+  p.off_qx = G;                 // legacy's per-token x (T <= P rows)
+  size_t o = align256(std::max(Q + H, G + X));
   auto take = [&](size_t bytes) {
     const size_t at = o;
     o += align256(bytes);
     return at;
   };
-  p.off_qx = take(fp8 ? static_cast<size_t>(t) * p.nkb_d * kBlock : 0);
   p.off_sx = take(fp8 ? static_cast<size_t>(t) * p.nkb_d * 4 : 0);
-  p.off_qxs = take(fp8 ? P * p.nkb_d * kBlock : 0);  // the tma path's per-position x, and its scales
-  p.off_sxs = take(fp8 ? static_cast<size_t>(p.p_pad) * p.nkb_d * 4 : 0);
-  p.off_gu = take(P * 2 * I * 2);
-  p.off_qh = take(fp8 ? P * p.nkb_i * kBlock : P * I * 2);
+  p.off_sxs = take(fp8 ? static_cast<size_t>(p.p_pad) * p.nkb_d * 4 : 0);  // the tma paths' x scales
   p.off_sh = take(fp8 ? static_cast<size_t>(p.p_pad) * p.nkb_i * 4 : 0);
-  p.off_y = take(P * D * 2);
   p.off_sorted_token = take(P * 4);
   p.off_sorted_expert = take(P * 4);
   p.off_pair_pos = take(P * 4);
