@@ -54,10 +54,12 @@ def test_bad_knob_is_named(lib, monkeypatch):
 
 
 @pytest.mark.parametrize("t,n,k,splits", [(512, 1536, 7168, 2), (512, 576, 7168, 6), (2048, 1536, 7168, 1),
-                                          (2048, 576, 7168, 1)])
+                                          (2048, 576, 7168, 1), (384, 7168, 16384, 1), (384, 7168, 18432, 1)])
 def test_prefill_splits_as_measured(lib, monkeypatch, t, n, k, splits):
-    """q_a / kv_a where an H100 timed each split against unsplit (2026-12-06; fp8_linear.cu
-    kPartialL2Bytes): at T=512 their few MB of fp32 partials pay for the split, at T=2048 not."""
+    """Where an H100 timed each split against unsplit (fp8_linear.cu pick_splits_tma): q_a / kv_a
+    (2026-12-06): at T=512 their few MB of fp32 partials pay for the split, at T=2048 not; o_proj /
+    dense down at T=384 (2026-12-07): 3 token tiles make 2 cluster units per weight tile, so a split
+    adds waves instead of filling one."""
     monkeypatch.delenv("DSA_FP8_LINEAR_PATH", raising=False)
     monkeypatch.delenv("DSA_FP8_LINEAR_SPLITS", raising=False)
     assert path_of(lib, t, n, k) == f"tma-store 128x128 x2 split {splits}"

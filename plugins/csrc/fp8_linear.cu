@@ -136,18 +136,23 @@ static int pick_bn(int64_t rows) {
   return 128;
 }
 
-// The split count minimising the busiest SM's steps (a persistent CTA per SM runs units of
-// kb_per_split steps) plus the splits' cost: the reduce and the fp32 partials written and read.
-static int pick_splits_tma(int64_t tiles, int nkb, int64_t t, int n, bool prefill) {
+// The split count minimising the busiest SM's steps plus the splits' cost: the reduce and the fp32
+// partials written and read. The persistent grid runs one unit (a weight tile x a cluster's mc token
+// tiles x a split of kb_per_split steps) per cluster at a time, kPlanSms / mc clusters at once, so
+// waves are counted in cluster units: at T=384 (3 token tiles, paired as 2 + 1) on the H100
+// (2026-12-07) o_proj split 2 / dense down split 3, chosen counting CTA tiles, took 140.6 / 176.5 µs
+// of GEMM and reduce against 119.8 / 135.5 unsplit.
+static int pick_splits_tma(int64_t cluster_units, int mc, int nkb, int64_t t, int n, bool prefill) {
+  const int slots = kPlanSms / std::max(mc, 1);
   int best = 1;
-  double best_cost = static_cast<double>(dsa_ceil_div(tiles, kPlanSms)) * nkb;
+  double best_cost = static_cast<double>(dsa_ceil_div(cluster_units, slots)) * nkb;
   for (int s = 2; s <= std::min(kMaxSplits, nkb / kMinBlocksPerSplit); ++s) {
     const int kbps = static_cast<int>(dsa_ceil_div(nkb, s));
     const int s_eff = static_cast<int>(dsa_ceil_div(nkb, kbps));
     const double elements = static_cast<double>(s_eff) * t * n;
     const double per_element = (prefill && 4.0 * elements > kPartialL2Bytes ? 2.0 : 1.0) * kPartialBytes;
     const double partial_steps = per_element * elements / kStepBytes;
-    const double cost = static_cast<double>(dsa_ceil_div(tiles * s_eff, kPlanSms)) * kbps + kSplitFixedSteps +
+    const double cost = static_cast<double>(dsa_ceil_div(cluster_units * s_eff, slots)) * kbps + kSplitFixedSteps +
                         partial_steps;
     if (cost < best_cost) {
       best_cost = cost;
@@ -192,8 +197,9 @@ static LinearPlan plan_linear(int64_t t, int n, int k, Path forced, int max_spli
   p.mc = square && p.path != Path::kTmaNoMc && p.t_tiles >= 2 ? 2 : 1;
   p.t_groups = static_cast<int>(dsa_ceil_div(p.t_tiles, p.mc));
   const int64_t tiles = static_cast<int64_t>(p.w_tiles) * p.t_tiles;
-  int splits =
-      p.path == Path::kLegacy ? pick_splits_legacy(tiles, p.nkb) : pick_splits_tma(tiles, p.nkb, t, n, square);
+  int splits = p.path == Path::kLegacy
+                   ? pick_splits_legacy(tiles, p.nkb)
+                   : pick_splits_tma(static_cast<int64_t>(p.w_tiles) * p.t_groups, p.mc, p.nkb, t, n, square);
   p.part_stride = p.path == Path::kLegacy ? n : (n + 3) / 4 * 4;
   const size_t slab = std::max<size_t>(static_cast<size_t>(t) * p.part_stride * sizeof(float), 1);
   splits = static_cast<int>(std::min<size_t>(splits, partial_budget(t, (n + 3) / 4 * 4) / slab));
