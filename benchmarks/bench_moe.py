@@ -187,16 +187,16 @@ def header(ab: str = "legacy") -> str:
             "anchor µs | anchor | vs anchor |")
 
 
-def format_row(t: int, touched: int, path: str, us: float, legacy_us: float | None, anchor_us: float | None,
+def format_row(t: int, touched: int, path: str, us: float, ab_us: float | None, anchor_us: float | None,
                anchor: str) -> str:
     flops, nbytes = count_flops_and_bytes(t, touched)
     read_floor, flop_floor = floors_us(flops, nbytes)
     a = f"{anchor_us:.1f}" if anchor_us is not None else "—"
     ratio = f"{anchor_us / us:.2f}x" if anchor_us is not None else "—"
-    leg = f"{legacy_us:.1f}" if legacy_us is not None else "—"
+    ab = f"{ab_us:.1f}" if ab_us is not None else "—"
     return (f"| {t} | {touched} | {touched * expert_bytes() / 1e9:.2f} | {read_floor:.1f} | {path} | {us:.1f} | "
             f"{100 * max(read_floor, flop_floor) / us:.1f} | {nbytes / us / 1e6:.2f} | {flops / us / 1e6:.1f} | "
-            f"{leg} | {a} | {anchor} | {ratio} |")
+            f"{ab} | {a} | {anchor} | {ratio} |")
 
 
 def kernel_breakdown(fn, flush_buf, iters: int = 5) -> list[tuple[str, float]]:
@@ -261,13 +261,13 @@ def main() -> None:
             path = lib.moe_path(t, TOP_K, NUM_EXPERTS, I)
             ev, us = time_both_us(Moe(x, ids, weights, w13, s13, w2, s2), flush_buf, args.iters)
             us = us if us is not None else ev
-            legacy_us = None
-            if path.startswith("tma") and args.ab != "none":  # the A/B: the same inputs on the cp.async tile (or --ab's path)
+            ab_us = None
+            if path.startswith("tma") and args.ab != "none":  # the A/B: the same inputs on --ab's path
                 forced = os.environ.get(PATH_KNOB)
                 os.environ[PATH_KNOB] = args.ab
                 try:
-                    lev, legacy_us = time_both_us(Moe(x, ids, weights, w13, s13, w2, s2), flush_buf, args.iters)
-                    legacy_us = legacy_us if legacy_us is not None else lev
+                    ab_ev, ab_us = time_both_us(Moe(x, ids, weights, w13, s13, w2, s2), flush_buf, args.iters)
+                    ab_us = ab_us if ab_us is not None else ab_ev
                 finally:  # the next row runs under the run's own path again
                     if forced is None:
                         os.environ.pop(PATH_KNOB)
@@ -281,7 +281,7 @@ def main() -> None:
                 if loop.why:
                     notes.add(f"_scaled_mm blockwise refused: {loop.why}")
                 del loop
-            row = format_row(t, touched, path, us, legacy_us, anchor_us, anchor)
+            row = format_row(t, touched, path, us, ab_us, anchor_us, anchor)
             if args.kernels:
                 for name, kus in kernel_breakdown(Moe(x, ids, weights, w13, s13, w2, s2), flush_buf):
                     print(f"#   T={t} {kus:10.1f} µs  {name[:110]}", flush=True)
