@@ -236,7 +236,7 @@ def main() -> None:
     ap.add_argument("--no-anchor", action="store_true", help="skip the torch-loop anchor")
     ap.add_argument("--md", type=str, default=None)
     ap.add_argument("--kernels", action="store_true", help="print each row's kernels (profiler)")
-    ap.add_argument("--ab", default="legacy", choices=["legacy", "tma", "tma-pipe", "tma-fused", "none"],
+    ap.add_argument("--ab", default="legacy", choices=["legacy", "tma", "tma-pipe", "tma-fused", "tma-fused-nomc", "none"],
                     help="the path of the A/B column (default legacy; none: no A/B)")
     args = ap.parse_args()
     try:

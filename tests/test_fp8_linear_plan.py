@@ -109,15 +109,16 @@ def test_moe_auto_paths(lib, monkeypatch):
     assert lib.moe_path(32, 8, 256) == "legacy 128x8"
     assert lib.moe_path(512, 8, 256) == "legacy 128x16"
     assert lib.moe_path(2048, 8, 256) == "legacy 128x64"
-    assert lib.moe_path(2049, 8, 256) == "tma-fused 128x128"
-    assert lib.moe_path(16384, 8, 256) == "tma-fused 128x128"
-    assert lib.moe_path(129, 8, 8) == "tma-fused 128x128"  # an EP rank's 8 experts: the pairs of all 256 bound it
+    assert lib.moe_path(2049, 8, 256) == "tma-fused 128x128 x2"
+    assert lib.moe_path(16384, 8, 256) == "tma-fused 128x128 x2"
+    assert lib.moe_path(129, 8, 8) == "tma-fused 128x128 x2"  # an EP rank's 8 experts: the pairs of all 256 bound it
     assert lib.moe_path(16384, 8, 256, 192) == "tma-pipe 128x128"
 
 
 @pytest.mark.parametrize("knob,want", [("tma", "tma 128x128"), ("tma-pipe", "tma-pipe 128x128"),
-                                       ("tma-fused", "tma-fused 128x128"), ("legacy", "legacy 128x128"),
-                                       ("auto", "tma-fused 128x128")])
+                                       ("tma-fused", "tma-fused 128x128 x2"),
+                                       ("tma-fused-nomc", "tma-fused-nomc 128x128"), ("legacy", "legacy 128x128"),
+                                       ("auto", "tma-fused 128x128 x2")])
 def test_moe_forced_paths(lib, monkeypatch, knob, want):
     monkeypatch.setenv("DSA_MOE_GEMM_PATH", knob)
     assert lib.moe_path(4096, 8, 16) == want

@@ -379,10 +379,11 @@ def moe_case(lib, m: Moe, case: str):
     return got
 
 
-@pytest.fixture(params=["legacy", "tma", "tma-pipe", "tma-fused"])
+@pytest.fixture(params=["legacy", "tma", "tma-pipe", "tma-fused", "tma-fused-nomc"])
 def gemm_path(request, monkeypatch):
-    """Both expert GEMMs at every size (DSA_MOE_GEMM_PATH; auto takes tma-fused above 64 pairs per
-    expert, tma-pipe where I % 128 != 0): the pairwise oracle of a case runs under the same path."""
+    """Both expert GEMMs at every size (DSA_MOE_GEMM_PATH; auto takes tma-fused, in CTA pairs, above
+    64 pairs per expert, tma-pipe where I % 128 != 0): the pairwise oracle of a case runs under the
+    same path."""
     monkeypatch.setenv("DSA_MOE_GEMM_PATH", request.param)
     return request.param
 
@@ -429,7 +430,7 @@ def test_moe_paths_agree_bitwise(lib, monkeypatch, t, e_local, d, i):
     m = make_moe(40 + t, t, 8, 64, e_local, 8, d, i, pow2=t % 2 == 0)
     monkeypatch.setenv("DSA_MOE_GEMM_PATH", "legacy")
     a = run_moe(lib, m)
-    for path in ("tma", "tma-pipe", "tma-fused"):
+    for path in ("tma", "tma-pipe", "tma-fused", "tma-fused-nomc"):
         monkeypatch.setenv("DSA_MOE_GEMM_PATH", path)
         b = run_moe(lib, m)
         diff = (a - b).abs()

@@ -15,7 +15,9 @@
 // Multicast (kMc = 2, prefill): CTAs run in clusters of two on adjacent token tiles of one weight
 // tile; each loads its own token tile and half the weight tile into both CTAs (TMA multicast), so
 // a CTA pulls 24 KB instead of 32 KB from L2 per K block (L2 bandwidth, not the MMAs, would
-// bound the 128 x 128 tile otherwise).
+// bound the 128 x 128 tile otherwise). The grouped GEMM pairs the other way (a token tile holds one
+// expert's rows, so two token tiles rarely share a weight tile): two adjacent weight tiles of one
+// token tile, each CTA loading its own weight tile and half the token tile into both.
 //
 // Work: units = (weight tile, token tile, K split), ordered split-fastest, then in groups of
 // kGroupW weight tiles with the token tiles inner (a wave of CTAs shares a few weight tiles and
@@ -82,6 +84,8 @@
 #include <cuda.h>  // CUtensorMap (a by-value kernel parameter; the driver is reached via the runtime)
 #include <cudaTypedefs.h>
 
+#include <atomic>
+
 #include "fp8_gemm.cuh"
 
 namespace dsa_fp8_ws {
@@ -131,6 +135,7 @@ struct WsArgs {
   float* sh;
   int64_t sh_stride;
   int pow2;
+  int x_rows;  // grouped, kMc = 2: the positions P in the token map (a half's box starts below it)
 };
 
 // kTmaStore (the linear's prefill tile, bf16 out, DSA_FP8_LINEAR_PATH=tma-store): the staging
@@ -250,18 +255,22 @@ struct Unit {
   const float* ws;
 };
 // Units of the grid: the linear's static count, or the grouped GEMM's from the device.
+template <int kMc>
 __device__ __forceinline__ int units_of(const WsArgs& g) {
-  return g.tile_expert != nullptr ? *g.num_tiles * g.w_tiles : g.w_tiles * g.t_groups * g.splits;
+  return g.tile_expert != nullptr ? *g.num_tiles * ((g.w_tiles + kMc - 1) / kMc) : g.w_tiles * g.t_groups * g.splits;
 }
 template <int BT, int kMc>
 __device__ __forceinline__ Unit unit_of(const WsArgs& g, int u, int rank) {
   Unit r;
-  if (g.tile_expert != nullptr) {  // grouped: kMc = 1, one split (the host's launch checks)
-    const int tile = u / g.w_tiles, e = g.tile_expert[tile];
-    r.w_tile = u % g.w_tiles;
+  if (g.tile_expert != nullptr) {  // grouped: one split (the host's launch checks)
+    // kMc = 2: the pair takes weight tiles 2 v and 2 v + 1 of one token tile (one expert); a rank
+    // past the last weight tile repeats the last and stores nothing
+    const int w_units = (g.w_tiles + kMc - 1) / kMc;
+    const int tile = u / w_units, e = g.tile_expert[tile], w_tile = (u % w_units) * kMc + rank;
+    r.w_tile = min(w_tile, g.w_tiles - 1);
     r.w_row = e * g.w_expert_rows + r.w_tile * kTileM;
     r.t_row = r.t_load = g.tile_start[tile];
-    r.t_end = min(r.t_row + BT, static_cast<int64_t>(g.expert_offsets[e + 1]));
+    r.t_end = w_tile < g.w_tiles ? min(r.t_row + BT, static_cast<int64_t>(g.expert_offsets[e + 1])) : r.t_row;
     r.kb_begin = 0;
     r.kb_end = g.nkb;
     r.ws = g.w_scale + e * g.ws_expert_stride + static_cast<int64_t>(r.w_tile) * g.nkb;
@@ -286,9 +295,10 @@ __device__ __forceinline__ Unit unit_of(const WsArgs& g, int u, int rank) {
 
 // ---------------------------------------------------------------- roles
 // kMc = 2: this CTA (rank) loads its token tile, its scales and weight rows [64 rank, +64) of the
-// shared weight tile, the latter multicast into both CTAs; a stage is refilled once the consumers
-// of both CTAs released it (each consumer warp arrives on both CTAs' empty barriers).
-template <bool kSwap, int BT, int kMc, bool kTmaStore, bool kSwiGLU>
+// shared weight tile, the latter multicast into both CTAs (grouped: its own weight tile, its scales
+// and token rows [64 rank, +64) of the shared token tile, multicast); a stage is refilled once the
+// consumers of both CTAs released it (each consumer warp arrives on both CTAs' empty barriers).
+template <bool kSwap, int BT, int kMc, bool kTmaStore, bool kSwiGLU, bool kXPairs>
 __device__ __forceinline__ void producer(const WsArgs& g, const CUtensorMap* map_w, const CUtensorMap* map_x,
                                          const CUtensorMap* map_s, uint8_t* smem, uint32_t full0, uint32_t empty0,
                                          int units, int cluster, int clusters, int rank) {
@@ -298,15 +308,16 @@ __device__ __forceinline__ void producer(const WsArgs& g, const CUtensorMap* map
   tma_prefetch_desc(map_w);
   tma_prefetch_desc(map_x);
   tma_prefetch_desc(map_s);
-  constexpr int kWRows = kTileM / kMc;  // weight rows this CTA loads per stage
+  constexpr int kWRows = kTileM / kMc;  // the linear's weight rows this CTA loads per stage
   constexpr int kSubs = kSwiGLU ? 2 : 1;  // K passes per unit
   const uint32_t w_off = rank * kWRows * kBlock;
+  constexpr bool x_pairs = kMc > 1 && kXPairs;  // the grouped pairs share the token tile
   // kSwiGLU: sub-tile `sub` of a group is its gate rows [64 sub, +64) and the same up rows (64-row boxes)
   auto load_w = [&](uint32_t st, uint32_t full, int kb, int w_row, int sub) {
     if constexpr (kSwiGLU) {
       tma_load_2d(st, map_w, full, kb * kBlock, w_row + 64 * sub);
       tma_load_2d(st + 64 * kBlock, map_w, full, kb * kBlock, w_row + g.inter + 64 * sub);
-    } else if constexpr (kMc == 1)
+    } else if constexpr (kMc == 1 || x_pairs)
       tma_load_2d(st, map_w, full, kb * kBlock, w_row);
     else  // a half past N (N <= 64 in the last tile) reads row N - 1 instead: no box starts out of
           // bounds; the rows it fills belong to outputs past N, which are never stored
@@ -337,7 +348,12 @@ __device__ __forceinline__ void producer(const WsArgs& g, const CUtensorMap* map
           mbar_arrive_expect_tx(full, L::kTxBytes + 4 * g.s_box);
           load_w(st, full, kb, w.w_row, sub);
         }
-        tma_load_2d(st + L::kW, map_x, full, kb * kBlock, w.t_load);
+        if constexpr (x_pairs)  // rows [64 rank, +64) of the token tile (64-row boxes; rows past P are never stored)
+          tma_load_2d_multicast(st + L::kW + rank * 64 * kBlock, map_x, full, kb * kBlock,
+                                min(w.t_load + 64 * rank, g.x_rows - 1),
+                                static_cast<uint16_t>((1u << kMc) - 1));
+        else
+          tma_load_2d(st + L::kW, map_x, full, kb * kBlock, w.t_load);
         tma_load_2d(st + L::kW + L::kX, map_s, full, w.t_load & ~3, kb);
         if (++s == S) {
           s = 0;
@@ -387,7 +403,7 @@ __device__ __forceinline__ void consumer(const WsArgs& g, const CUtensorMap* map
   const int r_lo = 64 * c + 16 * warp + grp;  // this thread's wgmma rows r_lo and r_lo + 8 (of 128)
   uint16_t* epi = reinterpret_cast<uint16_t*>(smem + S * L::kStage);
   // kSwiGLU: the staging area holds sub-tile 0's h, then h's e4m3 rows per warpgroup
-  static_assert(!kSwiGLU || (kPipe && !kSwap && !kF32Out && !kTmaStore && kMc == 1 &&
+  static_assert(!kSwiGLU || (kPipe && !kSwap && !kF32Out && !kTmaStore &&
                              kStashBytes + 2 * 64 * kQPitch <= L::kEpi),
                 "the fused SwiGLU epilogue is the grouped prefill tile's");
   const int tid256 = ct + 128 * c;
@@ -693,8 +709,9 @@ __device__ __forceinline__ void consumer(const WsArgs& g, const CUtensorMap* map
   }
 }
 
+// kXPairs (kMc = 2, the grouped GEMM only): pairs on adjacent weight tiles sharing the token tile.
 template <bool kSwap, int BT, bool kF32Out, int kMc, bool kPipe = false, bool kTmaStore = false,
-          bool kSwiGLU = false>
+          bool kSwiGLU = false, bool kXPairs = false>
 __global__ void __launch_bounds__(kThreads, 1)
     fp8_gemm_ws_kernel(const WsArgs g, const __grid_constant__ CUtensorMap map_w,
                        const __grid_constant__ CUtensorMap map_x, const __grid_constant__ CUtensorMap map_s,
@@ -705,7 +722,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   uint8_t* smem = dsa_fp8::align_smem_1024(smem_raw);
   const uint32_t full0 = smem_u32(smem + L::kStages * L::kStage + L::kEpi);
   const uint32_t empty0 = full0 + 8 * L::kStages;
-  const int units = units_of(g);
+  const int units = units_of<kMc>(g);
   // clusters of kMc CTAs along x (kMc = 1: every CTA is its own)
   const int rank = kMc == 1 ? 0 : static_cast<int>(cluster_ctarank());
   const int cluster = blockIdx.x / kMc, clusters = gridDim.x / kMc;
@@ -725,7 +742,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (threadIdx.x < 128) {
     setmaxnreg_dec<kProducerRegs>();
     if (threadIdx.x == 0)
-      producer<kSwap, BT, kMc, kTmaStore, kSwiGLU>(g, &map_w, &map_x, &map_s, smem, full0, empty0, units, cluster, clusters, rank);
+      producer<kSwap, BT, kMc, kTmaStore, kSwiGLU, kXPairs>(g, &map_w, &map_x, &map_s, smem, full0, empty0, units, cluster, clusters, rank);
     // the rest of the producer warpgroup has no work (its dependents may launch: no global access)
     else asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
   } else {
@@ -777,6 +794,36 @@ static inline int encode_tensor_map_2d(CUtensorMap* map, const void* base, CUten
                       "(CUresult %d)",
                       what, (unsigned long long)outer, (unsigned long long)inner, (unsigned long long)row_bytes,
                       box_outer, box_inner, (int)r);
+  return DSA_OK;
+}
+
+// ---------------------------------------------------------------- host: persistent cluster grids
+// Clusters of kMc CTAs that can be resident at once on this device (GPCs of odd SM counts leave
+// SMs out of pairs): the persistent grid must not exceed one wave. Per kernel and device, asked
+// once (cache: the caller's, one per kernel; every variant has the same function type).
+template <typename Kernel>
+static int resident_clusters(const char* op, Kernel kernel, int mc, int smem, int dev, std::atomic<int> (&cache)[64], int* out) {
+  if (dev >= 0 && dev < 64 && cache[dev].load() > 0) {
+    *out = cache[dev].load();
+    return DSA_OK;
+  }
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(static_cast<unsigned>(mc));
+  cfg.blockDim = dim3(kThreads);
+  cfg.dynamicSmemBytes = smem;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = static_cast<unsigned>(mc);
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  int n = 0;
+  DSA_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&n, kernel, &cfg));
+  DSA_CHECK_SUPPORTED(n > 0, "%s: no cluster of %d CTAs (%d bytes of shared memory each) fits device %d", op,
+                      mc, smem, dev);
+  if (dev >= 0 && dev < 64) cache[dev].store(n);
+  *out = n;
   return DSA_OK;
 }
 

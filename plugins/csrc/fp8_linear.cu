@@ -302,35 +302,6 @@ static int legacy_gemm(const DsaFp8BlockLinearParams* p, const LinearPlan& plan,
 #undef DSA_LINEAR_BN
 }
 
-// Clusters of kMc CTAs that can be resident at once on this device (GPCs of odd SM counts leave
-// SMs out of pairs): the persistent grid must not exceed one wave. Per kernel and device, asked
-// once (cache: the caller's, one per kernel; every variant has the same function type).
-template <typename Kernel>
-static int resident_clusters(Kernel kernel, int mc, int smem, int dev, std::atomic<int> (&cache)[64], int* out) {
-  if (dev >= 0 && dev < 64 && cache[dev].load() > 0) {
-    *out = cache[dev].load();
-    return DSA_OK;
-  }
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(static_cast<unsigned>(mc));
-  cfg.blockDim = dim3(dsa_fp8_ws::kThreads);
-  cfg.dynamicSmemBytes = smem;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = static_cast<unsigned>(mc);
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  int n = 0;
-  DSA_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&n, kernel, &cfg));
-  DSA_CHECK_SUPPORTED(n > 0, "fp8_block_linear: no cluster of %d CTAs (%d bytes of shared memory each) fits device %d",
-                      mc, smem, dev);
-  if (dev >= 0 && dev < 64) cache[dev].store(n);
-  *out = n;
-  return DSA_OK;
-}
-
 template <bool kSwap, int BT, bool kF32Out, int kMc, bool kPipe = false, bool kTmaStore = false>
 static int launch_ws(const dsa_fp8_ws::WsArgs& g, const CUtensorMap& mw, const CUtensorMap& mx,
                      const CUtensorMap& ms, const CUtensorMap& mo, cudaStream_t stream) {
@@ -344,7 +315,7 @@ static int launch_ws(const dsa_fp8_ws::WsArgs& g, const CUtensorMap& mw, const C
     DSA_CUDA_CHECK(cudaDeviceGetAttribute(&slots, cudaDevAttrMultiProcessorCount, dev));
   } else {
     static std::atomic<int> cache[64];
-    const int rc = resident_clusters(kernel, kMc, smem, dev, cache, &slots);
+    const int rc = dsa_fp8_ws::resident_clusters("fp8_block_linear", kernel, kMc, smem, dev, cache, &slots);
     if (rc != DSA_OK) return rc;
   }
   const int64_t units = static_cast<int64_t>(g.w_tiles) * g.t_groups * g.splits;  // one per cluster

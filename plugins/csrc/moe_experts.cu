@@ -34,6 +34,7 @@
 #include <string.h>
 
 #include <algorithm>
+#include <atomic>
 
 #include <cub/block/block_scan.cuh>
 
@@ -344,7 +345,7 @@ __global__ void __launch_bounds__(256) moe_combine_kernel(const uint16_t* __rest
 }
 
 // ---------------------------------------------------------------- plan and workspace
-enum class GemmPath { kAuto, kTma, kTmaPipe, kTmaFused, kLegacy };
+enum class GemmPath { kAuto, kTma, kTmaPipe, kTmaFused, kTmaFusedNoMc, kLegacy };
 
 struct MoePlan {
   int64_t pairs, p_pad;  // P, and P rounded up to 4 (the transposed scales' 16-byte rows)
@@ -352,6 +353,7 @@ struct MoePlan {
   bool tma;              // the expert GEMMs on fp8_gemm_ws.cuh (bn = 128)
   bool pipe;             // ... with its pipelined mainloop (kPipe; DSA_MOE_GEMM_PATH=tma: without)
   bool fused;            // ... and step 4 in the gate/up GEMM's epilogue (kSwiGLU; needs I % 128 == 0)
+  int mc;                // CTAs per cluster of the fused plan's GEMMs: 2 = pairs on adjacent weight tiles
   size_t off_qx, off_sx, off_qxs, off_sxs, off_gu, off_qh, off_sh, off_y, off_sorted_token, off_sorted_expert,
       off_pair_pos, off_offsets, off_tile_expert, off_tile_start, off_chunk_cnt, total;
 };
@@ -387,11 +389,12 @@ static MoePlan plan_moe(int64_t t, int top_k, int num_local, int d, int inter, i
   p.nkb_i = static_cast<int>(dsa_ceil_div(std::max(inter, 1), kBlock));
   p.bn = pick_bn(dsa_ceil_div(p.pairs, e));
   const bool fp8 = fmt == DSA_MOE_FP8_BLOCK;
-  p.tma = fp8 && (forced == GemmPath::kTma || forced == GemmPath::kTmaPipe || forced == GemmPath::kTmaFused ||
-                  (forced == GemmPath::kAuto && p.bn == kTileM));
+  p.tma = fp8 && (forced == GemmPath::kAuto ? p.bn == kTileM : forced != GemmPath::kLegacy);
   p.pipe = p.tma && forced != GemmPath::kTma;
-  // tma-fused, the automatic prefill path where its 128-column h groups tile I exactly
+  // tma-fused, the automatic prefill path where its 128-column h groups tile I exactly; its two
+  // GEMMs run in CTA pairs sharing each token tile by multicast (tma-fused-nomc: without)
   p.fused = p.pipe && forced != GemmPath::kTmaPipe && inter % kBlock == 0;
+  p.mc = p.fused && forced != GemmPath::kTmaFusedNoMc ? 2 : 1;
   if (p.tma) p.bn = kTileM;
   p.max_tiles = static_cast<int>(dsa_ceil_div(p.pairs, p.bn) + e);
   const size_t P = static_cast<size_t>(p.pairs), D = std::max(d, 0), I = std::max(inter, 0);
@@ -443,9 +446,10 @@ static int forced_path(GemmPath* out) {
   if (strcmp(e, "tma") == 0) *out = GemmPath::kTma;
   else if (strcmp(e, "tma-pipe") == 0) *out = GemmPath::kTmaPipe;
   else if (strcmp(e, "tma-fused") == 0) *out = GemmPath::kTmaFused;
+  else if (strcmp(e, "tma-fused-nomc") == 0) *out = GemmPath::kTmaFusedNoMc;
   else if (strcmp(e, "legacy") == 0) *out = GemmPath::kLegacy;
   else
-    return dsa_set_error(DSA_ERR_INVALID_ARG, "moe_experts: DSA_MOE_GEMM_PATH=%s unknown (auto, tma, tma-pipe, tma-fused, legacy)", e);
+    return dsa_set_error(DSA_ERR_INVALID_ARG, "moe_experts: DSA_MOE_GEMM_PATH=%s unknown (auto, tma, tma-pipe, tma-fused, tma-fused-nomc, legacy)", e);
   return DSA_OK;
 }
 
@@ -471,8 +475,14 @@ static int launch_grouped_tma(const uint8_t* w, const float* ws, int e_local, in
                                 kBlock, fused ? kTileM / 2 : kTileM, CU_TENSOR_MAP_SWIZZLE_128B,
                                 "moe_experts: expert weights");
   if (st != DSA_OK) return st;
+  // pipelined and unfused: the bf16 tiles leave by TMA stores (whole 64-row halves; a tile's rows
+  // that end inside its expert by 16-byte segments: g.rows = 0 never matches a tile's end)
+  const bool vec_store = (reinterpret_cast<uintptr_t>(out) & 15) == 0 && n % 8 == 0;
+  const bool tma_store = plan.pipe && !fused && vec_store;
+  // the fused plan's GEMMs in CTA pairs: each loads 64 rows of the token tile into both
+  const int mc = (fused || tma_store) ? plan.mc : 1;
   st = encode_tensor_map_2d(&mx, a, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, static_cast<uint64_t>(nkb) * kBlock, pairs,
-                            static_cast<uint64_t>(nkb) * kBlock, kBlock, kTileM, CU_TENSOR_MAP_SWIZZLE_128B,
+                            static_cast<uint64_t>(nkb) * kBlock, kBlock, kTileM / mc, CU_TENSOR_MAP_SWIZZLE_128B,
                             "moe_experts: quantised positions");
   if (st != DSA_OK) return st;
   // tiles start at any position: the scale box reaches 4 back (fp8_gemm_ws.cuh WsArgs::s_box)
@@ -487,7 +497,7 @@ static int launch_grouped_tma(const uint8_t* w, const float* ws, int e_local, in
   g.n = n;
   g.nkb = nkb;
   g.w_tiles = static_cast<int>(dsa_ceil_div(fused ? n / 2 : n, kTileM));  // fused: h's 128-column groups
-  g.vec_store = (reinterpret_cast<uintptr_t>(out) & 15) == 0 && n % 8 == 0;
+  g.vec_store = vec_store;
   g.tile_expert = tile_expert;
   g.tile_start = tile_start;
   g.expert_offsets = offsets;
@@ -495,9 +505,7 @@ static int launch_grouped_tma(const uint8_t* w, const float* ws, int e_local, in
   g.w_expert_rows = n;
   g.ws_expert_stride = dsa_ceil_div(n, kTileM) * nkb;
   g.s_box = kScaleBox;
-  // pipelined and unfused: the bf16 tiles leave by TMA stores (whole 64-row halves; a tile's rows
-  // that end inside its expert by 16-byte segments: g.rows = 0 never matches a tile's end)
-  const bool tma_store = plan.pipe && !fused && g.vec_store;
+  g.x_rows = static_cast<int>(pairs);
   CUtensorMap mo = mw;
   if (tma_store) {
     st = encode_tensor_map_2d(&mo, out, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, n, pairs, static_cast<uint64_t>(n) * 2,
@@ -512,24 +520,43 @@ static int launch_grouped_tma(const uint8_t* w, const float* ws, int e_local, in
     g.sh_stride = p_pad;
     g.pow2 = fused->pow2;
   }
-  auto kernel = fused       ? fp8_gemm_ws_kernel<false, kTileM, false, 1, true, false, true>
-                : tma_store ? fp8_gemm_ws_kernel<false, kTileM, false, 1, true, true>
-                : plan.pipe ? fp8_gemm_ws_kernel<false, kTileM, false, 1, true>
-                            : fp8_gemm_ws_kernel<false, kTileM, false, 1>;
+  using Kernel = decltype(&fp8_gemm_ws_kernel<false, kTileM, false, 1>);
+  const Kernel kernel = fused     ? (mc > 1 ? fp8_gemm_ws_kernel<false, kTileM, false, 2, true, false, true, true>
+                                            : fp8_gemm_ws_kernel<false, kTileM, false, 1, true, false, true>)
+                        : tma_store ? (mc > 1 ? fp8_gemm_ws_kernel<false, kTileM, false, 2, true, true, false, true>
+                                              : fp8_gemm_ws_kernel<false, kTileM, false, 1, true, true>)
+                        : plan.pipe ? fp8_gemm_ws_kernel<false, kTileM, false, 1, true>
+                                    : fp8_gemm_ws_kernel<false, kTileM, false, 1>;
   const int smem = tma_store ? WsTile<false, kTileM, true>::kSmem : WsTile<false, kTileM>::kSmem;
   st = dsa_kernel_attributes("moe_experts", reinterpret_cast<const void*>(kernel), smem);
   if (st != DSA_OK) return st;
-  int dev = 0, sms = 0;
+  int dev = 0, slots = 0;
   DSA_CUDA_CHECK(cudaGetDevice(&dev));
-  DSA_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-  const int64_t max_units = static_cast<int64_t>(g.w_tiles) * plan.max_tiles;
+  if (mc == 1) {
+    DSA_CUDA_CHECK(cudaDeviceGetAttribute(&slots, cudaDevAttrMultiProcessorCount, dev));
+  } else {
+    static std::atomic<int> cache[2][64];  // the fused and the TMA-store pair kernels
+    st = resident_clusters("moe_experts", kernel, mc, smem, dev, cache[fused ? 0 : 1], &slots);
+    if (st != DSA_OK) return st;
+  }
+  const int64_t max_units = dsa_ceil_div(g.w_tiles, mc) * static_cast<int64_t>(plan.max_tiles);  // one per cluster
   DSA_CHECK_SUPPORTED(max_units < (1ll << 31) && static_cast<int64_t>(e_local) * n < (1ll << 31),
                       "moe_experts: %lld work units / %lld weight rows exceed int32", (long long)max_units,
                       (long long)e_local * n);
-  // a persistent grid: CTA b runs units b, b + grid, ... of the units the tile count gives
-  const unsigned grid = static_cast<unsigned>(std::min<int64_t>(max_units, std::max(sms, 1)));
-  kernel<<<grid, dsa_fp8_ws::kThreads, smem, stream>>>(g, mw, mx, ms, mo);
-  DSA_CUDA_CHECK_LAUNCH();
+  // a persistent grid: cluster b runs units b, b + clusters, ... of the units the tile count gives
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(static_cast<unsigned>(mc * std::min<int64_t>(max_units, std::max(slots, 1))));
+  cfg.blockDim = dim3(dsa_fp8_ws::kThreads);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = static_cast<unsigned>(mc);
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = mc > 1 ? 1 : 0;
+  DSA_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, g, mw, mx, ms, mo));
   return DSA_OK;
 }
 
@@ -588,7 +615,9 @@ extern "C" const char* dsa_moe_experts_path(int64_t num_tokens, int top_k, int n
   if (forced_path(&forced) != DSA_OK) return "invalid DSA_MOE_GEMM_PATH";
   const MoePlan p = plan_moe(num_tokens, top_k, num_local_experts, 1, inter, DSA_MOE_FP8_BLOCK, forced);
   if (p.tma)
-    snprintf(text, sizeof(text), p.fused ? "tma-fused 128x128" : p.pipe ? "tma-pipe 128x128" : "tma 128x128");
+    snprintf(text, sizeof(text), p.fused   ? (p.mc > 1 ? "tma-fused 128x128 x2" : "tma-fused-nomc 128x128")
+                                 : p.pipe ? "tma-pipe 128x128"
+                                          : "tma 128x128");
   else
     snprintf(text, sizeof(text), "legacy 128x%d", p.bn);
   return text;
