@@ -797,33 +797,47 @@ static inline int encode_tensor_map_2d(CUtensorMap* map, const void* base, CUten
   return DSA_OK;
 }
 
-// ---------------------------------------------------------------- host: persistent cluster grids
-// Clusters of kMc CTAs that can be resident at once on this device (GPCs of odd SM counts leave
-// SMs out of pairs): the persistent grid must not exceed one wave. Per kernel and device, asked
-// once (cache: the caller's, one per kernel; every variant has the same function type).
+// ---------------------------------------------------------------- host: the persistent grid
+// Launches `kernel` (an fp8_gemm_ws_kernel) as a persistent grid of clusters of mc CTAs: as many
+// clusters as can be resident at once on this device (GPCs of odd SM counts leave SMs out of
+// pairs; asked once per kernel and device through `cache`, the caller's one per kernel), at most
+// `units`. pdl: with programmatic dependent launch. `op`: the errors' prefix.
 template <typename Kernel>
-static int resident_clusters(const char* op, Kernel kernel, int mc, int smem, int dev, std::atomic<int> (&cache)[64], int* out) {
-  if (dev >= 0 && dev < 64 && cache[dev].load() > 0) {
-    *out = cache[dev].load();
-    return DSA_OK;
-  }
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(static_cast<unsigned>(mc));
-  cfg.blockDim = dim3(kThreads);
-  cfg.dynamicSmemBytes = smem;
-  cudaLaunchAttribute attr[1];
+static int launch_persistent(const char* op, Kernel kernel, int mc, int smem, int64_t units, bool pdl,
+                             std::atomic<int> (&cache)[64], cudaStream_t stream, const WsArgs& g,
+                             const CUtensorMap& mw, const CUtensorMap& mx, const CUtensorMap& ms,
+                             const CUtensorMap& mo) {
+  const int st = dsa_kernel_attributes(op, reinterpret_cast<const void*>(kernel), smem);
+  if (st != DSA_OK) return st;
+  int dev = 0, slots = 0;
+  DSA_CUDA_CHECK(cudaGetDevice(&dev));
+  cudaLaunchAttribute attr[2];
   attr[0].id = cudaLaunchAttributeClusterDimension;
   attr[0].val.clusterDim.x = static_cast<unsigned>(mc);
   attr[0].val.clusterDim.y = 1;
   attr[0].val.clusterDim.z = 1;
+  cudaLaunchConfig_t cfg = {};
+  cfg.blockDim = dim3(kThreads);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
   cfg.attrs = attr;
-  cfg.numAttrs = 1;
-  int n = 0;
-  DSA_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&n, kernel, &cfg));
-  DSA_CHECK_SUPPORTED(n > 0, "%s: no cluster of %d CTAs (%d bytes of shared memory each) fits device %d", op,
-                      mc, smem, dev);
-  if (dev >= 0 && dev < 64) cache[dev].store(n);
-  *out = n;
+  if (dev >= 0 && dev < 64 && cache[dev].load() > 0) {
+    slots = cache[dev].load();
+  } else if (mc == 1) {
+    DSA_CUDA_CHECK(cudaDeviceGetAttribute(&slots, cudaDevAttrMultiProcessorCount, dev));
+  } else {
+    cfg.gridDim = dim3(static_cast<unsigned>(mc));
+    cfg.numAttrs = 1;
+    DSA_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&slots, kernel, &cfg));
+    DSA_CHECK_SUPPORTED(slots > 0, "%s: no cluster of %d CTAs (%d bytes of shared memory each) fits device %d", op,
+                        mc, smem, dev);
+  }
+  if (dev >= 0 && dev < 64) cache[dev].store(slots);
+  cfg.gridDim = dim3(static_cast<unsigned>(mc * std::min<int64_t>(units, std::max(slots, 1))));
+  int n = mc > 1 ? 1 : 0;
+  if (pdl) attr[n++] = dsa_pdl_attr();
+  cfg.numAttrs = n;
+  DSA_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, g, mw, mx, ms, mo));
   return DSA_OK;
 }
 

@@ -307,35 +307,11 @@ static int launch_ws(const dsa_fp8_ws::WsArgs& g, const CUtensorMap& mw, const C
                      const CUtensorMap& ms, const CUtensorMap& mo, cudaStream_t stream) {
   auto kernel = dsa_fp8_ws::fp8_gemm_ws_kernel<kSwap, BT, kF32Out, kMc, kPipe, kTmaStore>;
   constexpr int smem = dsa_fp8_ws::WsTile<kSwap, BT, kTmaStore>::kSmem;
-  const int st = dsa_kernel_attributes("fp8_block_linear", reinterpret_cast<const void*>(kernel), smem);
-  if (st != DSA_OK) return st;
-  int dev = 0, slots = 0;
-  DSA_CUDA_CHECK(cudaGetDevice(&dev));
-  if (kMc == 1) {
-    DSA_CUDA_CHECK(cudaDeviceGetAttribute(&slots, cudaDevAttrMultiProcessorCount, dev));
-  } else {
-    static std::atomic<int> cache[64];
-    const int rc = dsa_fp8_ws::resident_clusters("fp8_block_linear", kernel, kMc, smem, dev, cache, &slots);
-    if (rc != DSA_OK) return rc;
-  }
   const int64_t units = static_cast<int64_t>(g.w_tiles) * g.t_groups * g.splits;  // one per cluster
   DSA_CHECK_SUPPORTED(units < (1ll << 31), "fp8_block_linear: %lld work units exceed int32", (long long)units);
-  const unsigned grid = static_cast<unsigned>(kMc * std::min<int64_t>(units, std::max(slots, 1)));
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(grid);
-  cfg.blockDim = dim3(dsa_fp8_ws::kThreads);
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[2];
-  attr[0] = dsa_pdl_attr();
-  attr[1].id = cudaLaunchAttributeClusterDimension;
-  attr[1].val.clusterDim.x = static_cast<unsigned>(kMc);
-  attr[1].val.clusterDim.y = 1;
-  attr[1].val.clusterDim.z = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = kMc > 1 ? 2 : 1;
-  DSA_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, g, mw, mx, ms, mo));
-  return DSA_OK;
+  static std::atomic<int> cache[64];
+  return dsa_fp8_ws::launch_persistent("fp8_block_linear", kernel, kMc, smem, units, true, cache, stream, g, mw, mx,
+                                       ms, mo);
 }
 
 static int tma_gemm(const DsaFp8BlockLinearParams* p, const LinearPlan& plan, const uint8_t* q, const float* sx,

@@ -528,36 +528,14 @@ static int launch_grouped_tma(const uint8_t* w, const float* ws, int e_local, in
                         : plan.pipe ? fp8_gemm_ws_kernel<false, kTileM, false, 1, true>
                                     : fp8_gemm_ws_kernel<false, kTileM, false, 1>;
   const int smem = tma_store ? WsTile<false, kTileM, true>::kSmem : WsTile<false, kTileM>::kSmem;
-  st = dsa_kernel_attributes("moe_experts", reinterpret_cast<const void*>(kernel), smem);
-  if (st != DSA_OK) return st;
-  int dev = 0, slots = 0;
-  DSA_CUDA_CHECK(cudaGetDevice(&dev));
-  if (mc == 1) {
-    DSA_CUDA_CHECK(cudaDeviceGetAttribute(&slots, cudaDevAttrMultiProcessorCount, dev));
-  } else {
-    static std::atomic<int> cache[2][64];  // the fused and the TMA-store pair kernels
-    st = resident_clusters("moe_experts", kernel, mc, smem, dev, cache[fused ? 0 : 1], &slots);
-    if (st != DSA_OK) return st;
-  }
   const int64_t max_units = dsa_ceil_div(g.w_tiles, mc) * static_cast<int64_t>(plan.max_tiles);  // one per cluster
   DSA_CHECK_SUPPORTED(max_units < (1ll << 31) && static_cast<int64_t>(e_local) * n < (1ll << 31),
                       "moe_experts: %lld work units / %lld weight rows exceed int32", (long long)max_units,
                       (long long)e_local * n);
-  // a persistent grid: cluster b runs units b, b + clusters, ... of the units the tile count gives
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = dim3(static_cast<unsigned>(mc * std::min<int64_t>(max_units, std::max(slots, 1))));
-  cfg.blockDim = dim3(dsa_fp8_ws::kThreads);
-  cfg.dynamicSmemBytes = smem;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = static_cast<unsigned>(mc);
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = mc > 1 ? 1 : 0;
-  DSA_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, g, mw, mx, ms, mo));
-  return DSA_OK;
+  // cluster b runs units b, b + clusters, ... of the units the device-side tile count gives
+  static std::atomic<int> cache[6][64];  // one per kernel above
+  const int which = (fused ? 0 : tma_store ? 2 : plan.pipe ? 4 : 5) + (mc > 1 ? 1 : 0);
+  return launch_persistent("moe_experts", kernel, mc, smem, max_units, false, cache[which], stream, g, mw, mx, ms, mo);
 }
 
 static int launch_grouped_bn(int bn, const GemmArgs& g, int max_tiles, cudaStream_t stream) {
