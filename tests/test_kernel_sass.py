@@ -77,3 +77,73 @@ def test_memory_descriptors_are_register_pairs():
         bad += [f"{obj.name}: {b}" for b in odd_descriptors(out.stdout)]
     assert checked > 100, f"only {checked} memory instructions found in {len(objs)} objects: is the listing parsed?"
     assert not bad, "memory instructions with an odd (unwritten) descriptor register:\n" + "\n".join(bad[:20])
+
+
+# The warp-specialised kernels' consumers wait on a ring of mbarriers, then issue a wgmma chain.
+# The ring's stage and phase live in uniform registers as long as ptxas can prove them warp-uniform;
+# once it cannot (a branch on a value loaded from global memory that advances the ring, or too much
+# code inside the K loop), every wait takes a per-thread address ([R26+URZ]) and every wgmma
+# descriptor goes through R2UR: correct, and on the H100 10-17% slower (2026-12-07: the MoE GEMMs'
+# dead-warpgroup skip, docs/history/2026-12-07-moe-gemm-padding-and-epilogue.md on the branch
+# moe-epi-overlap). The check: the last mbarrier wait before each wgmma chain (its first wgmma
+# zero-initialises: "RZ, !UPT") takes its address from a uniform register.
+RING_KERNELS = re.compile(r"fp8_gemm_ws_kernel|sparse_mla_fp8")
+TRYWAIT = re.compile(r"SYNCS\.PHASECHK\.TRANS64(?:\.TRYWAIT)?\s+\S+,\s*\[([^\]]+)\]")
+CHAIN_START = re.compile(r"\b[QH]GMMA\.\S+\s+R\d+,\s*gdesc\[UR\d+\],\s*RZ,\s*!UPT")
+
+
+def ring_waits(sass: str) -> tuple[int, list[str]]:
+    """(wgmma chains checked, the chains whose preceding ring wait has a per-thread address) of the
+    RING_KERNELS functions of a cuobjdump -sass listing."""
+    checked, bad, function, last = 0, [], "?", None
+    for line in sass.splitlines():
+        if "Function :" in line:
+            function, last = line.split("Function :", 1)[1].strip(), None
+            continue
+        if not RING_KERNELS.search(function):
+            continue
+        m = TRYWAIT.search(line)
+        if m:
+            last = (m.group(1), line.strip())
+        elif CHAIN_START.search(line) and last is not None:
+            checked += 1
+            if not last[0].startswith("UR"):
+                bad.append(f"{function}: {last[1]}")
+    return checked, bad
+
+
+def test_divergent_ring_wait_is_detected():
+    """The checker flags the listing of the fault (its shape as cuobjdump 13 prints it)."""
+    listing = """\t\tFunction : _ZN10dsa_fp8_ws18fp8_gemm_ws_kernelILb0ELi128E_good
+        /*0a20*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR9], R5 ;                 /* 0x00000005ff0075a7 */
+        /*0ad0*/                   QGMMA.64x128x32.F32.E4M3.E4M3 R88, gdesc[UR20], RZ, !UPT ;     /* 0x01e00000145879f3 */
+        /*0ae0*/                   QGMMA.64x128x32.F32.E4M3.E4M3 R88, gdesc[UR24], R88 ;          /* 0x01e00000185879f3 */
+\t\tFunction : _ZN10dsa_fp8_ws18fp8_gemm_ws_kernelILb0ELi128E_bad
+        /*1610*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P1, [R32+URZ], R31 ;            /* 0x0000001f200075a7 */
+        /*1a00*/                   QGMMA.64x128x32.F32.E4M3.E4M3 R88, gdesc[UR8], RZ, !UPT ;      /* 0x01e00000085879f3 */
+\t\tFunction : some_other_kernel
+        /*0100*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P1, [R3+URZ], R4 ;              /* 0x0000001f200075a7 */
+        /*0200*/                   HGMMA.64x64x16.F32.BF16 R24, gdesc[UR8], RZ, !UPT ;            /* 0x01e00000085879f3 */
+"""
+    checked, bad = ring_waits(listing)
+    assert checked == 2 and len(bad) == 1 and "_bad:" in bad[0] and "[R32+URZ]" in bad[0]
+
+
+def test_ring_waits_are_uniform():
+    objs = sorted(OBJ_DIR.glob("*.o"))
+    if not objs:
+        pytest.skip(f"no kernel objects in {OBJ_DIR}: run `make kernels` (CI does, before the tests)")
+    tool = find_cuobjdump()
+    if tool is None:
+        pytest.skip("cuobjdump not found: `pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm` (the test extras) "
+                    "or put cuobjdump on PATH")
+    checked, bad = 0, []
+    for obj in objs:
+        out = subprocess.run([tool, "-sass", str(obj)], capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, f"cuobjdump -sass {obj.name} failed: {out.stderr.strip()[:500]}"
+        n, b = ring_waits(out.stdout)
+        checked += n
+        bad += [f"{obj.name}: {x}" for x in b]
+    assert checked >= 40, f"only {checked} wgmma chains found after a ring wait: is the listing parsed?"
+    assert not bad, ("ring waits with a per-thread address before a wgmma chain (the K loop lost its uniform "
+                     "registers):\n" + "\n".join(bad[:20]))
