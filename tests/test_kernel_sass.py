@@ -61,7 +61,8 @@ def test_odd_descriptor_is_detected():
     assert len(bad) == 1 and bad[0].startswith("kernel_a:") and "desc[UR1]" in bad[0]
 
 
-def test_memory_descriptors_are_register_pairs():
+def listings() -> list[tuple[str, str]]:
+    """(object name, cuobjdump -sass listing) of every kernel object; skips without objects or tool."""
     objs = sorted(OBJ_DIR.glob("*.o"))
     if not objs:
         pytest.skip(f"no kernel objects in {OBJ_DIR}: run `make kernels` (CI does, before the tests)")
@@ -69,13 +70,20 @@ def test_memory_descriptors_are_register_pairs():
     if tool is None:
         pytest.skip("cuobjdump not found: `pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm` (the test extras) "
                     "or put cuobjdump on PATH")
-    checked, bad = 0, []
+    out = []
     for obj in objs:
-        out = subprocess.run([tool, "-sass", str(obj)], capture_output=True, text=True, timeout=300)
-        assert out.returncode == 0, f"cuobjdump -sass {obj.name} failed: {out.stderr.strip()[:500]}"
-        checked += sum(1 for line in out.stdout.splitlines() if DESC.match(line))
-        bad += [f"{obj.name}: {b}" for b in odd_descriptors(out.stdout)]
-    assert checked > 100, f"only {checked} memory instructions found in {len(objs)} objects: is the listing parsed?"
+        run = subprocess.run([tool, "-sass", str(obj)], capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, f"cuobjdump -sass {obj.name} failed: {run.stderr.strip()[:500]}"
+        out.append((obj.name, run.stdout))
+    return out
+
+
+def test_memory_descriptors_are_register_pairs():
+    checked, bad = 0, []
+    for name, sass in listings():
+        checked += sum(1 for line in sass.splitlines() if DESC.match(line))
+        bad += [f"{name}: {b}" for b in odd_descriptors(sass)]
+    assert checked > 100, f"only {checked} memory instructions found: is the listing parsed?"
     assert not bad, "memory instructions with an odd (unwritten) descriptor register:\n" + "\n".join(bad[:20])
 
 
@@ -130,20 +138,11 @@ def test_divergent_ring_wait_is_detected():
 
 
 def test_ring_waits_are_uniform():
-    objs = sorted(OBJ_DIR.glob("*.o"))
-    if not objs:
-        pytest.skip(f"no kernel objects in {OBJ_DIR}: run `make kernels` (CI does, before the tests)")
-    tool = find_cuobjdump()
-    if tool is None:
-        pytest.skip("cuobjdump not found: `pip install nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm` (the test extras) "
-                    "or put cuobjdump on PATH")
     checked, bad = 0, []
-    for obj in objs:
-        out = subprocess.run([tool, "-sass", str(obj)], capture_output=True, text=True, timeout=300)
-        assert out.returncode == 0, f"cuobjdump -sass {obj.name} failed: {out.stderr.strip()[:500]}"
-        n, b = ring_waits(out.stdout)
+    for name, sass in listings():
+        n, b = ring_waits(sass)
         checked += n
-        bad += [f"{obj.name}: {x}" for x in b]
+        bad += [f"{name}: {x}" for x in b]
     assert checked >= 40, f"only {checked} wgmma chains found after a ring wait: is the listing parsed?"
     assert not bad, ("ring waits with a per-thread address before a wgmma chain (the K loop lost its uniform "
                      "registers):\n" + "\n".join(bad[:20]))
