@@ -33,7 +33,7 @@
 #include <algorithm>
 #include <atomic>
 
-#include "fp8_gemm_ws.cuh"
+#include "fp8_gemm_ws_launch.cuh"
 
 namespace dsa_fp8 {
 

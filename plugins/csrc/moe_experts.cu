@@ -38,7 +38,7 @@
 
 #include <cub/block/block_scan.cuh>
 
-#include "fp8_gemm_ws.cuh"
+#include "fp8_gemm_ws_launch.cuh"
 
 namespace dsa_moe {
 
