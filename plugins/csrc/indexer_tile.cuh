@@ -47,13 +47,15 @@ __device__ __forceinline__ uint8_t* align_smem_1024(uint8_t* smem) {
 
 // Shared-memory matrix descriptor, K-major operand with the 128-byte swizzle (8 rows x 128 B
 // atoms, stride 1024 B between 8-row groups). Base must be 1024-byte aligned.
-__device__ __forceinline__ uint64_t make_desc_sw128(const void* smem) {
-  const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+__device__ __forceinline__ uint64_t make_desc_sw128_u32(uint32_t addr) {
   uint64_t desc = (uint64_t)((addr & 0x3FFFF) >> 4);
   desc |= (uint64_t)(16 >> 4) << 16;    // leading byte offset (unused for swizzled K-major)
   desc |= (uint64_t)(1024 >> 4) << 32;  // stride byte offset: next 8-row group
   desc |= (uint64_t)1 << 62;            // SWIZZLE_128B
   return desc;
+}
+__device__ __forceinline__ uint64_t make_desc_sw128(const void* smem) {
+  return make_desc_sw128_u32(static_cast<uint32_t>(__cvta_generic_to_shared(smem)));
 }
 
 // A page's keys for one thread: rows r0 and r0+8, 32 bytes each, plus the scale this lane stores.

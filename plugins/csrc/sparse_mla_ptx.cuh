@@ -35,8 +35,8 @@ __device__ __forceinline__ void mbar_arrive_cp_async(uint64_t* bar) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(smem_u32(bar)) : "memory");
 }
 
-// Block until the phase of parity `parity` has completed (acquire.cta).
-__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
+// Block until the phase of parity `parity` has completed (acquire.cta); `bar`: a shared address.
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
   asm volatile(
       "{\n"
       ".reg .pred P1;\n"
@@ -45,10 +45,11 @@ __device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
       "@P1 bra DONE;\n"
       "bra LAB_WAIT;\n"
       "DONE:\n"
-      "}\n" ::"r"(smem_u32(bar)),
+      "}\n" ::"r"(bar),
       "r"(parity)
       : "memory");
 }
+__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) { mbar_wait(smem_u32(bar), parity); }
 
 // ---------------------------------------------------------------- copies, barriers, fences
 // 16-byte global->shared copy through L2 only; src_bytes = 0 writes 16 zero bytes and reads nothing.
