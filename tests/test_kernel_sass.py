@@ -92,7 +92,7 @@ def test_memory_descriptors_are_register_pairs():
 # once it cannot (a branch on a value loaded from global memory that advances the ring, or too much
 # code inside the K loop), every wait takes a per-thread address ([R26+URZ]) and every wgmma
 # descriptor goes through R2UR: correct, and on the H100 10-17% slower (2026-12-07: the MoE GEMMs'
-# dead-warpgroup skip, on the branch moe-epi-overlap). Shared-memory
+# dead-warpgroup skip, docs/history/2026-12-07-moe-gemm-padding-and-epilogue.md). Shared-memory
 # addresses and loop counts read from shared memory do the same (the prefill indexer's group
 # kernel). The check: the last mbarrier wait before each wgmma chain (its first wgmma
 # zero-initialises: "RZ, !UPT") takes its address from a uniform register.
