@@ -95,10 +95,11 @@ def test_memory_descriptors_are_register_pairs():
 # dead-warpgroup skip, docs/history/2026-12-07-moe-gemm-padding-and-epilogue.md). Shared-memory
 # addresses and loop counts read from shared memory do the same (the prefill indexer's group
 # kernel). The check: the last mbarrier wait before each wgmma chain (its first wgmma
-# zero-initialises: "RZ, !UPT") takes its address from a uniform register.
+# zero-initialises: "RZ, !UPT"; A from shared memory or, in sparse MLA, registers) takes its address
+# from a uniform register.
 RING_KERNELS = re.compile(r"fp8_gemm_ws_kernel|sparse_mla_fp8|indexer_logits_group_kernel")
 TRYWAIT = re.compile(r"SYNCS\.PHASECHK\.TRANS64(?:\.TRYWAIT)?\s+\S+,\s*\[([^\]]+)\]")
-CHAIN_START = re.compile(r"\b[QH]GMMA\.\S+\s+R\d+,\s*gdesc\[UR\d+\],\s*RZ,\s*!UPT")
+CHAIN_START = re.compile(r"\b[QH]GMMA\.\S+\s+R\d+,\s*(?:R\d+,\s*)?gdesc\[UR\d+\],\s*RZ,\s*!UPT")
 
 
 def ring_waits(sass: str) -> tuple[int, list[str]]:
@@ -130,12 +131,15 @@ def test_divergent_ring_wait_is_detected():
 \t\tFunction : _ZN10dsa_fp8_ws18fp8_gemm_ws_kernelILb0ELi128E_bad
         /*1610*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P1, [R32+URZ], R31 ;            /* 0x0000001f200075a7 */
         /*1a00*/                   QGMMA.64x128x32.F32.E4M3.E4M3 R88, gdesc[UR8], RZ, !UPT ;      /* 0x01e00000085879f3 */
+\t\tFunction : _ZN14dsa_sparse_mla21sparse_mla_fp8_kernelILi64E_rs
+        /*2e00*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P1, [UR10+0x36018], R19 ;       /* 0x03601813ff0075a7 */
+        /*3470*/                   QGMMA.64x64x32.F32.E4M3.E4M3 R24, R216, gdesc[UR16], RZ, !UPT ; /* 0x00e00010d8187df3 */
 \t\tFunction : some_other_kernel
         /*0100*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P1, [R3+URZ], R4 ;              /* 0x0000001f200075a7 */
         /*0200*/                   HGMMA.64x64x16.F32.BF16 R24, gdesc[UR8], RZ, !UPT ;            /* 0x01e00000085879f3 */
 """
     checked, bad = ring_waits(listing)
-    assert checked == 2 and len(bad) == 1 and "_bad:" in bad[0] and "[R32+URZ]" in bad[0]
+    assert checked == 3 and len(bad) == 1 and "_bad:" in bad[0] and "[R32+URZ]" in bad[0]
 
 
 def test_ring_waits_are_uniform():
@@ -144,6 +148,6 @@ def test_ring_waits_are_uniform():
         n, b = ring_waits(sass)
         checked += n
         bad += [f"{name}: {x}" for x in b]
-    assert checked >= 44, f"only {checked} wgmma chains found after a ring wait: is the listing parsed?"
+    assert checked >= 70, f"only {checked} wgmma chains found after a ring wait: is the listing parsed?"
     assert not bad, ("ring waits with a per-thread address before a wgmma chain (the K loop lost its uniform "
                      "registers):\n" + "\n".join(bad[:20]))
