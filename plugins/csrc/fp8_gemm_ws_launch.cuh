@@ -25,16 +25,15 @@ static inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
   return fn;
 }
 
-// Row-major [outer, inner] tensor of `elem_bytes` elements, rows `row_bytes` apart (a multiple of
+// Row-major [outer, inner] tensor of `type` elements, rows `row_bytes` apart (a multiple of
 // 16), boxes of [box_outer, box_inner]; out-of-bounds elements read as zero. `what`: "op: tensor",
 // the errors' prefix.
-static inline int encode_tensor_map_2d(CUtensorMap* map, const void* base, CUtensorMapDataType type, int elem_bytes,
-                                       uint64_t inner, uint64_t outer, uint64_t row_bytes, uint32_t box_inner,
-                                       uint32_t box_outer, CUtensorMapSwizzle swizzle, const char* what) {
+static inline int encode_tensor_map_2d(CUtensorMap* map, const void* base, CUtensorMapDataType type, uint64_t inner,
+                                       uint64_t outer, uint64_t row_bytes, uint32_t box_inner, uint32_t box_outer,
+                                       CUtensorMapSwizzle swizzle, const char* what) {
   const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
   DSA_CHECK_SUPPORTED(encode != nullptr,
                       "%s: the CUDA driver has no cuTensorMapEncodeTiled (TMA needs driver >= 12.0)", what);
-  (void)elem_bytes;
   const cuuint64_t dims[2] = {inner, outer};
   const cuuint64_t strides[1] = {row_bytes};
   const cuuint32_t box[2] = {box_inner, box_outer};

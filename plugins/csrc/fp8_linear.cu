@@ -322,14 +322,14 @@ static int tma_gemm(const DsaFp8BlockLinearParams* p, const LinearPlan& plan, co
   const int64_t t = p->num_tokens;
   const int bt = plan.bt;
   CUtensorMap mw, mx, ms;
-  int st = encode_tensor_map_2d(&mw, p->weight, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, p->k, p->n, p->k, kBlock,
+  int st = encode_tensor_map_2d(&mw, p->weight, CU_TENSOR_MAP_DATA_TYPE_UINT8, p->k, p->n, p->k, kBlock,
                                 kTileM / plan.mc, CU_TENSOR_MAP_SWIZZLE_128B, "fp8_block_linear: weight");
   if (st != DSA_OK) return st;
-  st = encode_tensor_map_2d(&mx, q, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, static_cast<uint64_t>(plan.nkb) * kBlock, t,
+  st = encode_tensor_map_2d(&mx, q, CU_TENSOR_MAP_DATA_TYPE_UINT8, static_cast<uint64_t>(plan.nkb) * kBlock, t,
                             static_cast<uint64_t>(plan.nkb) * kBlock, kBlock, bt, CU_TENSOR_MAP_SWIZZLE_128B,
                             "fp8_block_linear: quantised x");
   if (st != DSA_OK) return st;
-  st = encode_tensor_map_2d(&ms, sx, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, t, plan.nkb, plan.t_pad * 4, bt, 1,
+  st = encode_tensor_map_2d(&ms, sx, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, t, plan.nkb, plan.t_pad * 4, bt, 1,
                             CU_TENSOR_MAP_SWIZZLE_NONE, "fp8_block_linear: x scales");
   if (st != DSA_OK) return st;
 
@@ -358,7 +358,7 @@ static int tma_gemm(const DsaFp8BlockLinearParams* p, const LinearPlan& plan, co
   CUtensorMap mo = mw;
   const bool tma_store = plan.path == Path::kTmaStore && !split && g.vec_store;
   if (tma_store) {
-    st = encode_tensor_map_2d(&mo, p->out, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, p->n, t, p->out_stride * 2, 64, 64,
+    st = encode_tensor_map_2d(&mo, p->out, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, p->n, t, p->out_stride * 2, 64, 64,
                               CU_TENSOR_MAP_SWIZZLE_128B, "fp8_block_linear: out");
     if (st != DSA_OK) return st;
   }

@@ -471,7 +471,7 @@ static int launch_grouped_tma(const uint8_t* w, const float* ws, int e_local, in
   const int nkb = static_cast<int>(dsa_ceil_div(k, kBlock));
   CUtensorMap mw, mx, ms;
   // the fused tile loads 64 gate and 64 up rows per stage: two 64-row boxes
-  int st = encode_tensor_map_2d(&mw, w, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, k, static_cast<uint64_t>(e_local) * n, k,
+  int st = encode_tensor_map_2d(&mw, w, CU_TENSOR_MAP_DATA_TYPE_UINT8, k, static_cast<uint64_t>(e_local) * n, k,
                                 kBlock, fused ? kTileM / 2 : kTileM, CU_TENSOR_MAP_SWIZZLE_128B,
                                 "moe_experts: expert weights");
   if (st != DSA_OK) return st;
@@ -481,13 +481,13 @@ static int launch_grouped_tma(const uint8_t* w, const float* ws, int e_local, in
   const bool tma_store = plan.pipe && !fused && vec_store;
   // the fused plan's GEMMs in CTA pairs: each loads 64 rows of the token tile into both
   const int mc = (fused || tma_store) ? plan.mc : 1;
-  st = encode_tensor_map_2d(&mx, a, CU_TENSOR_MAP_DATA_TYPE_UINT8, 1, static_cast<uint64_t>(nkb) * kBlock, pairs,
+  st = encode_tensor_map_2d(&mx, a, CU_TENSOR_MAP_DATA_TYPE_UINT8, static_cast<uint64_t>(nkb) * kBlock, pairs,
                             static_cast<uint64_t>(nkb) * kBlock, kBlock, kTileM / mc, CU_TENSOR_MAP_SWIZZLE_128B,
                             "moe_experts: quantised positions");
   if (st != DSA_OK) return st;
   // tiles start at any position: the scale box reaches 4 back (fp8_gemm_ws.cuh WsArgs::s_box)
   constexpr int kScaleBox = kTileM + 4;
-  st = encode_tensor_map_2d(&ms, as, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, pairs, nkb, p_pad * 4, kScaleBox, 1,
+  st = encode_tensor_map_2d(&ms, as, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, pairs, nkb, p_pad * 4, kScaleBox, 1,
                             CU_TENSOR_MAP_SWIZZLE_NONE, "moe_experts: position scales");
   if (st != DSA_OK) return st;
   WsArgs g{};
@@ -508,7 +508,7 @@ static int launch_grouped_tma(const uint8_t* w, const float* ws, int e_local, in
   g.x_rows = static_cast<int>(pairs);
   CUtensorMap mo = mw;
   if (tma_store) {
-    st = encode_tensor_map_2d(&mo, out, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, n, pairs, static_cast<uint64_t>(n) * 2,
+    st = encode_tensor_map_2d(&mo, out, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, n, pairs, static_cast<uint64_t>(n) * 2,
                               64, 64, CU_TENSOR_MAP_SWIZZLE_128B, "moe_experts: expert GEMM out");
     if (st != DSA_OK) return st;
   }
