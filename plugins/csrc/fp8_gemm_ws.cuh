@@ -418,6 +418,17 @@ __device__ __forceinline__ void consumer(const WsArgs& g, const CUtensorMap* map
       }
     }
   };
+  // Prefill: warpgroup 1 issues a K block's wgmmas only after warpgroup 0 issued its own (named
+  // barrier 4 of both, once per K block: point 0 before warpgroup 1's issue, point 1 after
+  // warpgroup 0's), so the tensor pipe gets the two groups in a fixed order instead of both
+  // warpgroups' k32 steps interleaved. Measured on the H100 (2026-12-07): 0.3-2.7% faster on the
+  // linear at T = 4096 / 8192, the MoE's two GEMMs at T = 16384 1.8% / 2.3%
+  // (docs/history/2026-12-07-fp8-gemm-stages-raster-order.md).
+  auto issue_order = [&](int point) {
+    if constexpr (!kSwap) {
+      if (c == 1 - point) named_bar_sync(4, 256);
+    }
+  };
   auto advance = [&] {
     if (++s == S) {
       s = 0;
@@ -447,9 +458,11 @@ __device__ __forceinline__ void consumer(const WsArgs& g, const CUtensorMap* map
         const uint64_t db = dsa_fp8::make_desc_sw128(st);
     #pragma unroll
         for (int j = 0; j < R; ++j) dsa_fp8::fence_operand(a[j]);
+        issue_order(0);
         dsa_wgmma::wgmma_fence();
         dsa_wgmma::ss_k128<kTileM>(a, da, db);
         dsa_wgmma::wgmma_commit();
+        issue_order(1);
         advance();
         return make_float4(sw * x0, sw * x1, su * x0, su * x1);
       };
@@ -521,8 +534,10 @@ __device__ __forceinline__ void consumer(const WsArgs& g, const CUtensorMap* map
       for (int j = 0; j < R; ++j) dsa_fp8::fence_operand(acc[j]);
       dsa_wgmma::wgmma_fence();
       constexpr int kN = kSwap ? BT : kTileM;
+      issue_order(0);
       dsa_wgmma::ss_k128<kN>(acc, da, db);
       dsa_wgmma::wgmma_commit();
+      issue_order(1);
       dsa_wgmma::wgmma_wait<0>();
 #pragma unroll
       for (int j = 0; j < R; ++j) dsa_fp8::fence_operand(acc[j]);
