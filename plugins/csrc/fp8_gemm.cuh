@@ -41,6 +41,7 @@ using dsa_indexer::cp_async_commit;
 using dsa_indexer::cp_async_wait;
 using dsa_indexer::fence_operand;
 using dsa_indexer::make_desc_sw128;
+using dsa_indexer::make_desc_sw128_u32;
 using dsa_ptx::fence_proxy_async;  // before the barrier: cp.async writes -> wgmma operand reads
 
 constexpr int kBlock = DSA_FP8_BLOCK;  // 128: K block and weight-scale block

@@ -424,6 +424,11 @@ __device__ __forceinline__ void consumer(const WsArgs& g, const CUtensorMap* map
   // warpgroups' k32 steps interleaved. Measured on the H100 (2026-12-07): 0.3-2.7% faster on the
   // linear at T = 4096 / 8192, the MoE's two GEMMs at T = 16384 1.8% / 2.3%
   // (docs/history/2026-12-07-fp8-gemm-stages-raster-order.md).
+  // The operands' shared addresses, broadcast from lane 0 so that ptxas keeps the wgmma descriptors
+  // in uniform registers: built from threadIdx (c) or a generic pointer, each k32 step's descriptor
+  // went through R2UR (docs/kernels.md, "Compiler constraints").
+  const uint32_t ring_u = __shfl_sync(0xffffffffu, smem_u32(smem), 0);
+  const uint32_t a_off = __shfl_sync(0xffffffffu, static_cast<uint32_t>(c * 64 * kBlock), 0);
   auto issue_order = [&](int point) {
     if constexpr (!kSwap) {
       if (c == 1 - point) named_bar_sync(4, 256);
@@ -454,8 +459,9 @@ __device__ __forceinline__ void consumer(const WsArgs& g, const CUtensorMap* map
         mbar_wait(full0 + 8 * s, phase);
         const float* sx = reinterpret_cast<const float*>(st + L::kW + L::kX) + (w.t_load & 3);
         const float x0 = sx[r_lo], x1 = sx[r_lo + 8];
-        const uint64_t da = dsa_fp8::make_desc_sw128(st + L::kW + c * 64 * kBlock);
-        const uint64_t db = dsa_fp8::make_desc_sw128(st);
+        const uint32_t st_u = ring_u + s * L::kStage;
+        const uint64_t da = dsa_fp8::make_desc_sw128_u32(st_u + L::kW + a_off);
+        const uint64_t db = dsa_fp8::make_desc_sw128_u32(st_u);
     #pragma unroll
         for (int j = 0; j < R; ++j) dsa_fp8::fence_operand(a[j]);
         issue_order(0);
@@ -528,8 +534,9 @@ __device__ __forceinline__ void consumer(const WsArgs& g, const CUtensorMap* map
       uint8_t* st = smem + s * L::kStage;
       mbar_wait(full0 + 8 * s, phase);
       // wgmma A: this warpgroup's 64 rows of the M operand; B: the whole N operand
-      const uint64_t da = dsa_fp8::make_desc_sw128(st + (kSwap ? 0 : L::kW) + c * 64 * kBlock);
-      const uint64_t db = dsa_fp8::make_desc_sw128(st + (kSwap ? L::kW : 0));
+      const uint32_t st_u = ring_u + s * L::kStage;
+      const uint64_t da = dsa_fp8::make_desc_sw128_u32(st_u + (kSwap ? 0 : L::kW) + a_off);
+      const uint64_t db = dsa_fp8::make_desc_sw128_u32(st_u + (kSwap ? L::kW : 0));
 #pragma unroll
       for (int j = 0; j < R; ++j) dsa_fp8::fence_operand(acc[j]);
       dsa_wgmma::wgmma_fence();

@@ -314,17 +314,24 @@ __device__ __forceinline__ void consumer(Fp8Smem& sm, const DsaSparseMlaParams& 
   float l_run[2] = {0.f, 0.f};              // this thread's partial of sum 2^(z - m + 8)
   uint32_t pa[2][4];                        // P of the tile, e4m3, wgmma A fragments per 32 keys
 
+  // The B operands' shared addresses and this consumer's index, broadcast from lane 0 so that
+  // ptxas keeps the wgmma descriptors in uniform registers (built from a generic pointer or
+  // threadIdx, every wgmma's descriptor went through R2UR; tests/test_kernel_sass.py).
+  const uint32_t k_tile_u = __shfl_sync(0xffffffffu, smem_u32(sm.k_tile[0]), 0);
+  const uint32_t vt_tile_u =
+      __shfl_sync(0xffffffffu, smem_u32(sm.vt_tile[0]) + c * (kVHalf / 8) * kVtGroupBytes, 0);
+  const int c_u = __shfl_sync(0xffffffffu, c, 0);
   auto issue_qk = [&](int st) {
-    const uint32_t base = smem_u32(sm.k_tile[st]);
+    const uint32_t base = k_tile_u + st * kKTileBytes;
 #pragma unroll
     for (int sl = 0; sl < kQkStepsPerWg; ++sl) {
-      const int s = c * kQkStepsPerWg + sl;  // dims [32s, 32s + 32): block s / 4, byte 32 * (s % 4) of the row
+      const int s = c_u * kQkStepsPerWg + sl;  // dims [32s, 32s + 32): block s / 4, byte 32 * (s % 4) of the row
       dsa_wgmma::rs<64>(s_acc, qa[sl], make_smem_desc_sw128(base + (s >> 2) * kKBlockBytes + (s & 3) * 32),
                               sl > 0 ? 1 : 0);
     }
   };
   auto issue_pv = [&](int st) {
-    const uint32_t base = smem_u32(sm.vt_tile[st]) + c * (kVHalf / 8) * kVtGroupBytes;
+    const uint32_t base = vt_tile_u + st * kVtTileBytes;
 #pragma unroll
     for (int kk = 0; kk < 2; ++kk)
       dsa_wgmma::rs<256>(o, pa[kk], make_smem_desc(base + kk * 2 * kCoreBytes, kCoreBytes, kVtGroupBytes), 1);
