@@ -151,3 +151,58 @@ def test_ring_waits_are_uniform():
     assert checked >= 70, f"only {checked} wgmma chains found after a ring wait: is the listing parsed?"
     assert not bad, ("ring waits with a per-thread address before a wgmma chain (the K loop lost its uniform "
                      "registers):\n" + "\n".join(bad[:20]))
+
+
+# The same kernels' wgmma chains: each k32 step's descriptor is the chain's first plus a constant,
+# which ptxas adds in uniform registers (UIADD3.64) when the first is uniform. Built from a generic
+# pointer or from threadIdx (the consumer warpgroup's operand offset), it is not, and every step
+# goes through R2UR: on the H100 3-12% slower GEMMs and ~2% slower sparse MLA decode (2026-12-07,
+# docs/history/2026-12-07-fp8-gemm-stages-raster-order.md). The check: no R2UR between a chain's
+# first wgmma and its last (the one that commits the group: "gsb0").
+GMMA = re.compile(r"\b[QH]GMMA\.")
+
+
+def chain_r2ur(sass: str) -> tuple[int, list[str]]:
+    """(wgmma chains checked, the chains with an R2UR inside) of the RING_KERNELS functions."""
+    checked, bad, function, start = 0, [], "?", None
+    for line in sass.splitlines():
+        if "Function :" in line:
+            function, start = line.split("Function :", 1)[1].strip(), None
+            continue
+        if not RING_KERNELS.search(function):
+            continue
+        if CHAIN_START.search(line):
+            checked, start = checked + 1, line.strip()
+        elif start is not None and "R2UR" in line:
+            bad.append(f"{function}: {start} ... {line.strip()}")
+            start = None
+        elif start is not None and GMMA.search(line) and "gsb0" in line:
+            start = None
+    return checked, bad
+
+
+def test_chain_r2ur_is_detected():
+    """The checker flags the listing of the fault (its shape as cuobjdump 13 prints it)."""
+    listing = """\t\tFunction : _ZN10dsa_fp8_ws18fp8_gemm_ws_kernelILb0ELi128E_good
+        /*0ad0*/                   QGMMA.64x128x32.F32.E4M3.E4M3 R88, gdesc[UR12], RZ, !UPT ;     /* 0x01e000000c5879f3 */
+        /*0ae0*/                   UIADD3.64 UR24, UR12, 0x2, URZ ;                               /* 0x0000000218187890 */
+        /*0af0*/                   QGMMA.64x128x32.F32.E4M3.E4M3 R88, gdesc[UR24], R88, gsb0 ;    /* 0x01e00000185879f3 */
+        /*0b00*/                   R2UR UR12, R5 ;                                                /* 0x00000000050c72ca */
+\t\tFunction : _ZN10dsa_fp8_ws18fp8_gemm_ws_kernelILb0ELi128E_bad
+        /*49c0*/                   QGMMA.64x128x32.F32.E4M3.E4M3 R24, gdesc[UR16], RZ, !UPT ;     /* 0x01e00000101879f3 */
+        /*49e0*/                   R2UR UR25, R227 ;                                              /* 0x00000000e31972ca */
+        /*4a80*/                   QGMMA.64x128x32.F32.E4M3.E4M3 R24, gdesc[UR24], R24, gsb0 ;    /* 0x01e00000181879f3 */
+"""
+    checked, bad = chain_r2ur(listing)
+    assert checked == 2 and len(bad) == 1 and "_bad:" in bad[0] and "R2UR UR25" in bad[0]
+
+
+def test_wgmma_chain_descriptors_are_uniform():
+    checked, bad = 0, []
+    for name, sass in listings():
+        n, b = chain_r2ur(sass)
+        checked += n
+        bad += [f"{name}: {x}" for x in b]
+    assert checked >= 70, f"only {checked} wgmma chains found: is the listing parsed?"
+    assert not bad, ("wgmma chains whose descriptors go through R2UR (build them from a lane-0 broadcast "
+                     "32-bit shared address):\n" + "\n".join(bad[:20]))
