@@ -246,6 +246,10 @@ __device__ __forceinline__ void gemm_tile(const GemmArgs& g, uint8_t* smem, int 
   if (sok) ssrc += (g.a_index ? g.a_index[row_begin + tid] : row_begin + tid) * static_cast<int64_t>(g.nkb);
 
   const uint32_t sbase = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  // the stage base and this warpgroup's operand offset, broadcast from lane 0 so that ptxas keeps
+  // the wgmma descriptors in uniform registers (docs/kernels.md, "Compiler constraints")
+  const uint32_t sbase_u = __shfl_sync(0xffffffffu, sbase, 0);
+  const uint32_t wg_off = __shfl_sync(0xffffffffu, static_cast<uint32_t>(wg * 64 * kBlock), 0);
   auto issue = [&](int stage, int kb) {
     const uint32_t st = sbase + stage * L::kStage;
     const bool kok = kb * kBlock + cch * 16 < g.k;
@@ -281,7 +285,8 @@ __device__ __forceinline__ void gemm_tile(const GemmArgs& g, uint8_t* smem, int 
     cp_async_commit();  // (an empty group past the end keeps the wait count uniform)
 
     uint8_t* st = smem + (i % S) * L::kStage;
-    const uint64_t da = make_desc_sw128(st + wg * 64 * kBlock), db = make_desc_sw128(st + L::kW);
+    const uint32_t st_u = sbase_u + (i % S) * L::kStage;  // uniform: no R2UR in the wgmma chain
+    const uint64_t da = make_desc_sw128_u32(st_u + wg_off), db = make_desc_sw128_u32(st_u + L::kW);
 #pragma unroll
     for (int j = 0; j < BN / 2; ++j) fence_operand(acc[j]);
     dsa_wgmma::wgmma_fence();
