@@ -421,9 +421,9 @@ __device__ __forceinline__ void consumer(const WsArgs& g, const CUtensorMap* map
   // Prefill: warpgroup 1 issues a K block's wgmmas only after warpgroup 0 issued its own (named
   // barrier 4 of both, once per K block: point 0 before warpgroup 1's issue, point 1 after
   // warpgroup 0's), so the tensor pipe gets the two groups in a fixed order instead of both
-  // warpgroups' k32 steps interleaved. Measured on the H100 (2026-12-07): 0.3-2.7% faster on the
-  // linear at T = 4096 / 8192, the MoE's two GEMMs at T = 16384 1.8% / 2.3%
-  // (docs/history/2026-12-07-fp8-gemm-stages-raster-order.md).
+  // warpgroups' k32 steps interleaved (cuBLASLt's kernel of the same tile does the same; the A/B:
+  // docs/history/2026-12-07-fp8-gemm-stages-raster-order.md). Both warpgroups run the same units
+  // and K blocks, so the barrier always completes.
   // The operands' shared addresses, broadcast from lane 0 so that ptxas keeps the wgmma descriptors
   // in uniform registers: built from threadIdx (c) or a generic pointer, each k32 step's descriptor
   // went through R2UR (docs/kernels.md, "Compiler constraints").
