@@ -142,12 +142,18 @@ def test_divergent_ring_wait_is_detected():
     assert checked == 3 and len(bad) == 1 and "_bad:" in bad[0] and "[R32+URZ]" in bad[0]
 
 
-def test_ring_waits_are_uniform():
+def over_listings(check) -> tuple[int, list[str]]:
+    """check(listing) -> (checked, bad), summed over every kernel object (bad named by object)."""
     checked, bad = 0, []
     for name, sass in listings():
-        n, b = ring_waits(sass)
+        n, b = check(sass)
         checked += n
         bad += [f"{name}: {x}" for x in b]
+    return checked, bad
+
+
+def test_ring_waits_are_uniform():
+    checked, bad = over_listings(ring_waits)
     assert checked >= 70, f"only {checked} wgmma chains found after a ring wait: is the listing parsed?"
     assert not bad, ("ring waits with a per-thread address before a wgmma chain (the K loop lost its uniform "
                      "registers):\n" + "\n".join(bad[:20]))
@@ -196,11 +202,7 @@ def test_chain_r2ur_is_detected():
 
 
 def test_wgmma_chain_descriptors_are_uniform():
-    checked, bad = 0, []
-    for name, sass in listings():
-        n, b = chain_r2ur(sass)
-        checked += n
-        bad += [f"{name}: {x}" for x in b]
+    checked, bad = over_listings(chain_r2ur)
     assert checked >= 90, f"only {checked} wgmma chains found: is the listing parsed?"
     assert not bad, ("wgmma chains whose descriptors go through R2UR (build them from a lane-0 broadcast "
                      "32-bit shared address):\n" + "\n".join(bad[:20]))
