@@ -418,17 +418,17 @@ __device__ __forceinline__ void consumer(const WsArgs& g, const CUtensorMap* map
       }
     }
   };
+  // The operands' shared addresses, broadcast from lane 0 so that ptxas keeps the wgmma descriptors
+  // in uniform registers: built from threadIdx (c) or a generic pointer, each k32 step's descriptor
+  // went through R2UR (docs/kernels.md, "Compiler constraints").
+  const uint32_t ring_u = __shfl_sync(0xffffffffu, smem_u32(smem), 0);
+  const uint32_t a_off = __shfl_sync(0xffffffffu, static_cast<uint32_t>(c * 64 * kBlock), 0);
   // Prefill: warpgroup 1 issues a K block's wgmmas only after warpgroup 0 issued its own (named
   // barrier 4 of both, once per K block: point 0 before warpgroup 1's issue, point 1 after
   // warpgroup 0's), so the tensor pipe gets the two groups in a fixed order instead of both
   // warpgroups' k32 steps interleaved (cuBLASLt's kernel of the same tile does the same; the A/B:
   // docs/history/2026-12-07-fp8-gemm-stages-raster-order.md). Both warpgroups run the same units
   // and K blocks, so the barrier always completes.
-  // The operands' shared addresses, broadcast from lane 0 so that ptxas keeps the wgmma descriptors
-  // in uniform registers: built from threadIdx (c) or a generic pointer, each k32 step's descriptor
-  // went through R2UR (docs/kernels.md, "Compiler constraints").
-  const uint32_t ring_u = __shfl_sync(0xffffffffu, smem_u32(smem), 0);
-  const uint32_t a_off = __shfl_sync(0xffffffffu, static_cast<uint32_t>(c * 64 * kBlock), 0);
   auto issue_order = [&](int point) {
     if constexpr (!kSwap) {
       if (c == 1 - point) named_bar_sync(4, 256);
