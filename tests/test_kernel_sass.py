@@ -206,3 +206,48 @@ def test_wgmma_chain_descriptors_are_uniform():
     assert checked >= 90, f"only {checked} wgmma chains found: is the listing parsed?"
     assert not bad, ("wgmma chains whose descriptors go through R2UR (build them from a lane-0 broadcast "
                      "32-bit shared address):\n" + "\n".join(bad[:20]))
+
+
+# docs/kernels.md "wgmma serialisation": an accumulator group in flight across a loop's back edge,
+# or a branch around a wgmma, makes ptxas commit and wait after every wgmma (sometimes warning
+# C7514, sometimes silently). A chain then ends at its first wgmma. The check: every chain has at
+# least two wgmmas up to the one that commits the group (today 4 in the GEMMs and the indexer,
+# 9 in sparse MLA).
+def chain_lengths(sass: str) -> list[tuple[str, int]]:
+    """(function, wgmmas up to and including the committing one) of each chain of a listing."""
+    out, function, n = [], "?", None
+    for line in sass.splitlines():
+        if "Function :" in line:
+            function, n = line.split("Function :", 1)[1].strip(), None
+            continue
+        if CHAIN_START.search(line):
+            n = 1
+        elif n is not None and GMMA.search(line):
+            n += 1
+        if n is not None and GMMA.search(line) and "gsb0" in line:
+            out.append((function, n))
+            n = None
+    return out
+
+
+def test_serialised_chain_is_detected():
+    listing = """\t\tFunction : _ZN10dsa_fp8_ws18fp8_gemm_ws_kernelILb0ELi128E_serialised
+        /*0ad0*/                   QGMMA.64x128x32.F32.E4M3.E4M3 R88, gdesc[UR12], RZ, !UPT, gsb0 ; /* 0x01e000000c5879f3 */
+        /*0ae0*/                   WARPGROUP.DEPBAR.LE gsb0, 0x0 ;                                /* 0x00000000000079af */
+        /*0af0*/                   QGMMA.64x128x32.F32.E4M3.E4M3 R88, gdesc[UR24], R88, gsb0 ;    /* 0x01e00000185879f3 */
+\t\tFunction : _ZN10dsa_fp8_ws18fp8_gemm_ws_kernelILb0ELi128E_good
+        /*0ad0*/                   QGMMA.64x128x32.F32.E4M3.E4M3 R88, gdesc[UR12], RZ, !UPT ;     /* 0x01e000000c5879f3 */
+        /*0af0*/                   QGMMA.64x128x32.F32.E4M3.E4M3 R88, gdesc[UR24], R88, gsb0 ;    /* 0x01e00000185879f3 */
+"""
+    assert [n for _, n in chain_lengths(listing)] == [1, 2]
+
+
+def test_wgmma_chains_are_not_serialised():
+    chains, short = 0, []
+    for name, sass in listings():
+        for function, n in chain_lengths(sass):
+            chains += 1
+            if n < 2:
+                short.append(f"{name}: {function}")
+    assert chains >= 90, f"only {chains} wgmma chains found: is the listing parsed?"
+    assert not short, "wgmma chains that commit after their first wgmma (serialised):\n" + "\n".join(short[:20])
