@@ -246,10 +246,10 @@ __device__ __forceinline__ void gemm_tile(const GemmArgs& g, uint8_t* smem, int 
   if (sok) ssrc += (g.a_index ? g.a_index[row_begin + tid] : row_begin + tid) * static_cast<int64_t>(g.nkb);
 
   const uint32_t sbase = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  // the stage base and this warpgroup's operand offset, broadcast from lane 0 so that ptxas keeps
-  // the wgmma descriptors in uniform registers (docs/kernels.md, "Compiler constraints")
-  const uint32_t sbase_u = __shfl_sync(0xffffffffu, sbase, 0);
-  const uint32_t wg_off = __shfl_sync(0xffffffffu, static_cast<uint32_t>(wg * 64 * kBlock), 0);
+  // the same base and this warpgroup's operand offset, warp-uniform to ptxas, for the wgmma
+  // descriptors only: they stay in uniform registers (docs/kernels.md, "Compiler constraints")
+  const uint32_t sbase_u = dsa_ptx::warp_uniform(sbase);
+  const uint32_t wg_off = dsa_ptx::warp_uniform(static_cast<uint32_t>(wg * 64 * kBlock));
   auto issue = [&](int stage, int kb) {
     const uint32_t st = sbase + stage * L::kStage;
     const bool kok = kb * kBlock + cch * 16 < g.k;

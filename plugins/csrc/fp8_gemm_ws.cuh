@@ -418,11 +418,10 @@ __device__ __forceinline__ void consumer(const WsArgs& g, const CUtensorMap* map
       }
     }
   };
-  // The operands' shared addresses, broadcast from lane 0 so that ptxas keeps the wgmma descriptors
-  // in uniform registers: built from threadIdx (c) or a generic pointer, each k32 step's descriptor
-  // went through R2UR (docs/kernels.md, "Compiler constraints").
-  const uint32_t ring_u = __shfl_sync(0xffffffffu, smem_u32(smem), 0);
-  const uint32_t a_off = __shfl_sync(0xffffffffu, static_cast<uint32_t>(c * 64 * kBlock), 0);
+  // the operands' shared addresses, warp-uniform to ptxas: the wgmma descriptors stay in uniform
+  // registers (from threadIdx or a generic pointer, every k32 step's went through R2UR)
+  const uint32_t ring_u = dsa_ptx::warp_uniform(smem_u32(smem));
+  const uint32_t a_off = dsa_ptx::warp_uniform(static_cast<uint32_t>(c * 64 * kBlock));
   // Prefill: warpgroup 1 issues a K block's wgmmas only after warpgroup 0 issued its own (named
   // barrier 4 of both, once per K block: point 0 before warpgroup 1's issue, point 1 after
   // warpgroup 0's), so the tensor pipe gets the two groups in a fixed order instead of both

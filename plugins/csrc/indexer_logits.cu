@@ -409,14 +409,14 @@ __global__ void __launch_bounds__(kGroupThreads, 1)
   // lane 0: read from shared memory, ptxas cannot prove them warp-uniform, and then every stage
   // wait takes a per-thread address and every wgmma descriptor goes through R2UR (docs/kernels.md,
   // "The ring out of uniform registers"). tests/test_kernel_sass.py checks the waits.
-  const uint32_t keys_u = __shfl_sync(0xffffffffu, ptx::smem_u32(sm.keys[0]), 0);
-  const uint64_t qdesc0 = make_desc_sw128_u32(__shfl_sync(0xffffffffu, ptx::smem_u32(sm.q[u0]), 0));
-  const uint64_t qdesc1 = make_desc_sw128_u32(__shfl_sync(0xffffffffu, ptx::smem_u32(sm.q[u0 + 2]), 0));
+  const uint32_t keys_u = dsa_ptx::warp_uniform(ptx::smem_u32(sm.keys[0]));
+  const uint64_t qdesc0 = make_desc_sw128_u32(dsa_ptx::warp_uniform(ptx::smem_u32(sm.q[u0])));
+  const uint64_t qdesc1 = make_desc_sw128_u32(dsa_ptx::warp_uniform(ptx::smem_u32(sm.q[u0 + 2])));
   // Page j of the CTA: wait for its stage. No proxy fence between the copies' arrival and the
   // wgmmas: cp.async wrote the stage, and FlashAttention-3's paged (non-TMA) K loads hand cp.async
   // data to wgmma through the mbarrier alone too. A fence here (ptxas: MEMBAR.ALL.CTA, which waits
   // for this thread's logits stores) costs ~1% on the prefill shape.
-  const uint32_t full_u = __shfl_sync(0xffffffffu, ptx::smem_u32(&sm.full[0]), 0);
+  const uint32_t full_u = dsa_ptx::warp_uniform(ptx::smem_u32(&sm.full[0]));
   auto stage_ready = [&](int j) {
     const int st = j % kGroupStages;
     ptx::mbar_wait(full_u + 8 * st, (j / kGroupStages) & 1);
@@ -432,14 +432,14 @@ __global__ void __launch_bounds__(kGroupThreads, 1)
   float d0[H], d1[H];  // m64n(2H): pair 0, pair 1
   int j = 0;
   for (int ps = 0; ps < kGroupTokens; ++ps) {
-    const int n = __shfl_sync(0xffffffffu, sm.pass_pages[ps], 0);
+    const int n = dsa_ptx::warp_uniform(sm.pass_pages[ps]);
     if (n <= 0) continue;
     const bool st0 = lead[0] == ps, st1 = lead[1] == ps;
     // The pairs of this warpgroup with a token in the pass (uniform over the warpgroup). A group of
     // decode tokens of 8 requests (a step mixing decode and prefill) runs 8 passes of one token.
     // Each loop below is free of branches around its wgmmas (ptxas serialises them otherwise).
-    const bool run0 = __shfl_sync(0xffffffffu, sm.leader[u0] == ps || sm.leader[u0 + 1] == ps, 0);
-    const bool run1 = __shfl_sync(0xffffffffu, sm.leader[u0 + 2] == ps || sm.leader[u0 + 3] == ps, 0);
+    const bool run0 = dsa_ptx::warp_uniform(sm.leader[u0] == ps || sm.leader[u0 + 1] == ps);
+    const bool run1 = dsa_ptx::warp_uniform(sm.leader[u0 + 2] == ps || sm.leader[u0 + 3] == ps);
     if (run0 && run1) {  // both pairs (prefill): pair 0 is reduced while pair 1's wgmmas run
       for (int i = 0; i < n; ++i, ++j) {
         const int st = stage_ready(j);

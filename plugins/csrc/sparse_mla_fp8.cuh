@@ -317,10 +317,9 @@ __device__ __forceinline__ void consumer(Fp8Smem& sm, const DsaSparseMlaParams& 
   // The B operands' shared addresses and this consumer's index, broadcast from lane 0 so that
   // ptxas keeps the wgmma descriptors in uniform registers (built from a generic pointer or
   // threadIdx, every wgmma's descriptor went through R2UR; tests/test_kernel_sass.py).
-  const uint32_t k_tile_u = __shfl_sync(0xffffffffu, smem_u32(sm.k_tile[0]), 0);
-  const uint32_t vt_tile_u =
-      __shfl_sync(0xffffffffu, smem_u32(sm.vt_tile[0]) + c * (kVHalf / 8) * kVtGroupBytes, 0);
-  const int c_u = __shfl_sync(0xffffffffu, c, 0);
+  const uint32_t k_tile_u = dsa_ptx::warp_uniform(smem_u32(sm.k_tile[0]));
+  const uint32_t vt_tile_u = dsa_ptx::warp_uniform(smem_u32(sm.vt_tile[0]) + c * (kVHalf / 8) * kVtGroupBytes);
+  const int c_u = dsa_ptx::warp_uniform(c);
   auto issue_qk = [&](int st) {
     const uint32_t base = k_tile_u + st * kKTileBytes;
 #pragma unroll
