@@ -168,21 +168,31 @@ def test_ring_waits_are_uniform():
 GMMA = re.compile(r"\b[QH]GMMA\.")
 
 
-def chain_r2ur(sass: str) -> tuple[int, list[str]]:
-    """(wgmma chains checked, the chains with an R2UR inside) of a cuobjdump -sass listing."""
-    checked, bad, function, start = 0, [], "?", None
+def wgmma_chains(sass: str) -> list[tuple[str, list[str]]]:
+    """(function, its lines from the chain's first wgmma, which zero-initialises, to the one that
+    commits the group, "gsb0") of each wgmma chain of a cuobjdump -sass listing."""
+    out, function, chain = [], "?", None
     for line in sass.splitlines():
         if "Function :" in line:
-            function, start = line.split("Function :", 1)[1].strip(), None
+            function, chain = line.split("Function :", 1)[1].strip(), None
             continue
         if CHAIN_START.search(line):
-            checked, start = checked + 1, line.strip()
-        elif start is not None and "R2UR" in line:
-            bad.append(f"{function}: {start} ... {line.strip()}")
-            start = None
-        elif start is not None and GMMA.search(line) and "gsb0" in line:
-            start = None
-    return checked, bad
+            chain = []
+        if chain is None:
+            continue
+        chain.append(line.strip())
+        if GMMA.search(line) and "gsb0" in line:
+            out.append((function, chain))
+            chain = None
+    return out
+
+
+def chain_r2ur(sass: str) -> tuple[int, list[str]]:
+    """(wgmma chains checked, the chains with an R2UR inside) of a listing."""
+    chains = wgmma_chains(sass)
+    bad = [f"{function}: {lines[0]} ... {next(x for x in lines if 'R2UR' in x)}"
+           for function, lines in chains if any("R2UR" in x for x in lines)]
+    return len(chains), bad
 
 
 def test_chain_r2ur_is_detected():
@@ -215,19 +225,7 @@ def test_wgmma_chain_descriptors_are_uniform():
 # 9 in sparse MLA).
 def chain_lengths(sass: str) -> list[tuple[str, int]]:
     """(function, wgmmas up to and including the committing one) of each chain of a listing."""
-    out, function, n = [], "?", None
-    for line in sass.splitlines():
-        if "Function :" in line:
-            function, n = line.split("Function :", 1)[1].strip(), None
-            continue
-        if CHAIN_START.search(line):
-            n = 1
-        elif n is not None and GMMA.search(line):
-            n += 1
-        if n is not None and GMMA.search(line) and "gsb0" in line:
-            out.append((function, n))
-            n = None
-    return out
+    return [(function, sum(1 for x in lines if GMMA.search(x))) for function, lines in wgmma_chains(sass)]
 
 
 def test_serialised_chain_is_detected():
