@@ -27,6 +27,11 @@ DSA_MOE_GEMM_PATH=legacy in the same run (the A/B of the path; --ab tma-pipe: ag
 TMA GEMMs instead).
 The anchor runs for T <= 4096 (its per-expert loop at T = 16384 takes minutes to capture).
 
+"power-capped": the share of the row's timing (capture, replays, profiler) during which the driver
+held the GPU's clocks down to stay under its power limit (nvidia-smi's "SW Power Capping" counter;
+timing.power_capped_us). The prefill rows' GEMMs pass the limit when replayed back to back, so their
+µs are those of a power-capped GPU; a GPU that idles between calls runs them faster.
+
 --kernels prints, after each row, the operator's kernels from the profiler (eager calls after an
 L2 flush, median of 5): where the time goes, which says what bounds a row.
 
@@ -37,11 +42,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import time
 
 import torch
 import torch.nn.functional as F
 
-from timing import time_both_us
+from timing import power_capped_us, time_both_us
 
 from dsa_trt.plugins import cuda_ops
 from dsa_trt.plugins.kernel_abi import KernelLibrary
@@ -183,12 +189,18 @@ def random_e4m3(shape, g: torch.Generator) -> torch.Tensor:
 
 
 def header(ab: str = "legacy") -> str:
-    return (f"| T | experts touched | their GB | read floor µs | path | µs | % of floor | TB/s | TFLOP/s | {ab} µs | "
-            "anchor µs | anchor | vs anchor |")
+    return (f"| T | experts touched | their GB | read floor µs | path | µs | % of floor | TB/s | TFLOP/s | power-capped | "
+            f"{ab} µs | anchor µs | anchor | vs anchor |")
+
+
+def capped_share(capped_us: int | None, wall_s: float) -> str:
+    """The share of a timing's wall time that the driver held the clocks down for power ("—" where
+    the counter is not readable)."""
+    return "—" if capped_us is None else f"{min(100.0, 100 * capped_us / 1e6 / wall_s):.0f}%"
 
 
 def format_row(t: int, touched: int, path: str, us: float, ab_us: float | None, anchor_us: float | None,
-               anchor: str) -> str:
+               anchor: str, capped: str = "—") -> str:
     flops, nbytes = count_flops_and_bytes(t, touched)
     read_floor, flop_floor = floors_us(flops, nbytes)
     a = f"{anchor_us:.1f}" if anchor_us is not None else "—"
@@ -196,7 +208,7 @@ def format_row(t: int, touched: int, path: str, us: float, ab_us: float | None, 
     ab = f"{ab_us:.1f}" if ab_us is not None else "—"
     return (f"| {t} | {touched} | {touched * expert_bytes() / 1e9:.2f} | {read_floor:.1f} | {path} | {us:.1f} | "
             f"{100 * max(read_floor, flop_floor) / us:.1f} | {nbytes / us / 1e6:.2f} | {flops / us / 1e6:.1f} | "
-            f"{ab} | {a} | {anchor} | {ratio} |")
+            f"{capped} | {ab} | {a} | {anchor} | {ratio} |")
 
 
 def kernel_breakdown(fn, flush_buf, iters: int = 5) -> list[tuple[str, float]]:
@@ -250,7 +262,7 @@ def main() -> None:
     s13 = torch.rand(NUM_EXPERTS, 2 * I // BLOCK, D // BLOCK, generator=g, device="cuda") * 1e-3 + 1e-4
     s2 = torch.rand(NUM_EXPERTS, D // BLOCK, I // BLOCK, generator=g, device="cuda") * 1e-3 + 1e-4
     lib = KernelLibrary()
-    rows = [header(args.ab), "|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---|---:|"]
+    rows = [header(args.ab), "|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
     print("\n".join(rows), flush=True)
     notes = set()
     for t in args.tokens or (QUICK_TOKENS if args.quick else TOKENS):
@@ -259,7 +271,10 @@ def main() -> None:
             ids, weights = uniform_routing(t, g, "cuda")
             touched = int(torch.unique(ids).numel())
             path = lib.moe_path(t, TOP_K, NUM_EXPERTS, I)
+            cap0, wall0 = power_capped_us(), time.perf_counter()
             ev, us = time_both_us(Moe(x, ids, weights, w13, s13, w2, s2), flush_buf, args.iters)
+            cap1, wall1 = power_capped_us(), time.perf_counter()
+            capped = capped_share(None if None in (cap0, cap1) else cap1 - cap0, wall1 - wall0)
             us = us if us is not None else ev
             ab_us = None
             if path.startswith("tma") and args.ab != "none":  # the A/B: the same inputs on --ab's path
@@ -281,14 +296,18 @@ def main() -> None:
                 if loop.why:
                     notes.add(f"_scaled_mm blockwise refused: {loop.why}")
                 del loop
-            row = format_row(t, touched, path, us, ab_us, anchor_us, anchor)
+            row = format_row(t, touched, path, us, ab_us, anchor_us, anchor, capped)
             if args.kernels:
+                cap0, wall0 = power_capped_us(), time.perf_counter()
                 for name, kus in kernel_breakdown(Moe(x, ids, weights, w13, s13, w2, s2), flush_buf):
                     print(f"#   T={t} {kus:10.1f} µs  {name[:110]}", flush=True)
+                cap1, wall1 = power_capped_us(), time.perf_counter()
+                print(f"#   T={t} power-capped {capped_share(None if None in (cap0, cap1) else cap1 - cap0, wall1 - wall0)}"
+                      " of the profile", flush=True)
         except torch.OutOfMemoryError:
-            row = f"| {t} | OOM | | | | | | | | | | | |"
+            row = f"| {t} | OOM | | | | | | | | | | | | |"
         except (RuntimeError, ValueError) as e:  # the op's refusals: NotImplementedError, ValueError
-            row = f"| {t} | UNSUPPORTED ({str(e)[:100]}) | | | | | | | | | | | |"
+            row = f"| {t} | UNSUPPORTED ({str(e)[:100]}) | | | | | | | | | | | | |"
         torch.cuda.empty_cache()
         rows.append(row)
         print(row, flush=True)

@@ -3,7 +3,10 @@ and by the CUDA profiler (the peers' method), median of the iterations (STYLE.md
 
 from __future__ import annotations
 
+import re
+import shutil
 import statistics
+import subprocess
 import time
 import warnings
 from contextlib import contextmanager
@@ -16,7 +19,38 @@ def flush_l2(buf: torch.Tensor) -> None:
     buf.bitwise_not_()
 
 
-def _capture(fn) -> torch.cuda.CUDAGraph:
+_POWER_CAPPED = re.compile(r"^\s*SW Power Capping\s*:\s*(\d+)\s*us\s*$", re.MULTILINE)
+
+
+def parse_power_capped_us(smi_text: str) -> int | None:
+    """The "SW Power Capping" counter (µs) of `nvidia-smi -q -d PERFORMANCE`'s clocks event
+    reasons counters, None where the text has none (older drivers, other vendors)."""
+    m = _POWER_CAPPED.search(smi_text)
+    return int(m.group(1)) if m else None
+
+
+def power_capped_us(device: int | None = None) -> int | None:
+    """Cumulative time the driver has held this GPU's clocks down to keep the board under its power
+    limit (µs since the driver loaded); its difference over a timed row says how much of the row ran
+    power-capped, with lower clocks: long fp8 GEMMs back to back pass the limit. None without
+    nvidia-smi or the counter."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None or not torch.cuda.is_available():
+        return None
+    index = torch.cuda.current_device() if device is None else device
+    # by UUID first: CUDA_VISIBLE_DEVICES renumbers the devices that nvidia-smi counts
+    for ident in (f"GPU-{torch.cuda.get_device_properties(index).uuid}", str(index)):
+        try:
+            out = subprocess.run([smi, "-q", "-d", "PERFORMANCE", "-i", ident], capture_output=True, text=True,
+                                 timeout=10, check=False).stdout
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        if (us := parse_power_capped_us(out)) is not None:
+            return us
+    return None
+
+
+def capture_graph(fn) -> torch.cuda.CUDAGraph:
     """One call (one-time kernel attributes), two on a side stream, then a CUDA graph of fn."""
     fn()
     side = torch.cuda.Stream()
@@ -98,7 +132,7 @@ def time_both_us(fn, flush_buf, iters: int) -> tuple[float, float | None]:
     not in the timed region). Events bracket the replay: they add ~2 µs (the replay's launch and
     the end event) to a short call; the profiler span is the peers' measure.
     Falls back to profiling eager calls if the profiler reports no kernels inside graph replays."""
-    graph = _capture(fn)
+    graph = capture_graph(fn)
     events = _events_us(graph, flush_buf, iters)
     kernels = kernel_span_us(graph.replay, lambda: flush_l2(flush_buf), iters)
     if kernels is None:
@@ -109,7 +143,7 @@ def time_both_us(fn, flush_buf, iters: int) -> tuple[float, float | None]:
 def span_after_us(fn, flush_buf, iters: int, after: str) -> float | None:
     """kernel_span_us of fn's CUDA graph (replayed as in time_both_us, so no host launch gap), from
     the end of its last kernel whose name holds `after` (e.g. a linear's GEMM without act_quant)."""
-    graph = _capture(fn)
+    graph = capture_graph(fn)
     return kernel_span_us(graph.replay, lambda: flush_l2(flush_buf), iters, after=after)
 
 
