@@ -188,6 +188,27 @@ def random_e4m3(shape, g: torch.Generator) -> torch.Tensor:
         torch.float8_e4m3fn)
 
 
+def random_experts(g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """All 256 experts on the GPU: (w13 e4m3 [E, 2I, D] 7.5 GB, its scales, w2 e4m3 [E, D, I] 3.8 GB,
+    its scales)."""
+    w13 = random_e4m3((NUM_EXPERTS, 2 * I, D), g)
+    w2 = random_e4m3((NUM_EXPERTS, D, I), g)
+    s13 = torch.rand(NUM_EXPERTS, 2 * I // BLOCK, D // BLOCK, generator=g, device="cuda") * 1e-3 + 1e-4
+    s2 = torch.rand(NUM_EXPERTS, D // BLOCK, I // BLOCK, generator=g, device="cuda") * 1e-3 + 1e-4
+    return w13, s13, w2, s2
+
+
+def load_and_experts() -> tuple[torch.Generator, torch.Tensor, tuple[torch.Tensor, ...]]:
+    """The CUDA kernels loaded (or a clear exit), then (the seeded generator, an L2-flush buffer,
+    random_experts)."""
+    try:
+        cuda_ops.load("cuda")
+    except RuntimeError as e:
+        raise SystemExit(str(e)) from None
+    g = torch.Generator(device="cuda").manual_seed(0)
+    return g, torch.empty(64 << 20, dtype=torch.int32, device="cuda"), random_experts(g)
+
+
 def header(ab: str = "legacy") -> str:
     return (f"| T | experts touched | their GB | read floor µs | path | µs | % of floor | TB/s | TFLOP/s | power-capped | "
             f"{ab} µs | anchor µs | anchor | vs anchor |")
@@ -251,16 +272,7 @@ def main() -> None:
     ap.add_argument("--ab", default="legacy", choices=["legacy", "tma", "tma-pipe", "tma-fused", "tma-fused-nomc", "none"],
                     help="the path of the A/B column (default legacy; none: no A/B)")
     args = ap.parse_args()
-    try:
-        cuda_ops.load("cuda")
-    except RuntimeError as e:
-        raise SystemExit(str(e)) from None
-    g = torch.Generator(device="cuda").manual_seed(0)
-    flush_buf = torch.empty(64 << 20, dtype=torch.int32, device="cuda")
-    w13 = random_e4m3((NUM_EXPERTS, 2 * I, D), g)  # 7.5 GB
-    w2 = random_e4m3((NUM_EXPERTS, D, I), g)       # 3.8 GB
-    s13 = torch.rand(NUM_EXPERTS, 2 * I // BLOCK, D // BLOCK, generator=g, device="cuda") * 1e-3 + 1e-4
-    s2 = torch.rand(NUM_EXPERTS, D // BLOCK, I // BLOCK, generator=g, device="cuda") * 1e-3 + 1e-4
+    g, flush_buf, (w13, s13, w2, s2) = load_and_experts()
     lib = KernelLibrary()
     rows = [header(args.ab), "|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
     print("\n".join(rows), flush=True)

@@ -22,10 +22,8 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
-from bench_moe import BLOCK, D, I, NUM_EXPERTS, Moe, random_e4m3, uniform_routing
+from bench_moe import D, Moe, load_and_experts, uniform_routing
 from timing import capture_graph, flush_l2, power_capped_us
-
-from dsa_trt.plugins import cuda_ops
 
 
 def event_times(run, flush, n: int, gap: float) -> list[float]:
@@ -68,16 +66,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--gap", type=float, default=0.2, help="seconds between spaced calls")
     args = ap.parse_args()
-    try:
-        cuda_ops.load("cuda")
-    except RuntimeError as e:
-        raise SystemExit(str(e)) from None
-    g = torch.Generator(device="cuda").manual_seed(0)
-    flush = torch.empty(64 << 20, dtype=torch.int32, device="cuda")
-    w13 = random_e4m3((NUM_EXPERTS, 2 * I, D), g)
-    w2 = random_e4m3((NUM_EXPERTS, D, I), g)
-    s13 = torch.rand(NUM_EXPERTS, 2 * I // BLOCK, D // BLOCK, generator=g, device="cuda") * 1e-3 + 1e-4
-    s2 = torch.rand(NUM_EXPERTS, D // BLOCK, I // BLOCK, generator=g, device="cuda") * 1e-3 + 1e-4
+    g, flush, (w13, s13, w2, s2) = load_and_experts()
     x = torch.randn(args.tokens, D, generator=g, device="cuda").to(torch.bfloat16)
     ids, weights = uniform_routing(args.tokens, g, "cuda")
     op = Moe(x, ids, weights, w13, s13, w2, s2)
