@@ -29,7 +29,8 @@ The anchor runs for T <= 4096 (its per-expert loop at T = 16384 takes minutes to
 
 "power-capped": the share of the row's timing (capture, replays, profiler) during which the driver
 held the GPU's clocks down to stay under its power limit (nvidia-smi's "SW Power Capping" counter;
-timing.power_capped_us). The prefill rows' GEMMs pass the limit when replayed back to back, so their
+timing.power_capped_us; the driver updates it in bursts, so it is a sign over a row of seconds, not
+a measure of a short one). The prefill rows' GEMMs pass the limit when replayed back to back, so their
 µs are those of a power-capped GPU; a GPU that idles between calls runs them faster.
 
 --kernels prints, after each row, the operator's kernels from the profiler (eager calls after an

@@ -2,7 +2,8 @@
 inputs (real dims, uniform routing) as one CUDA graph and as eager calls, each timed by events
 around the call (L2 flushed before it), 8 calls back to back and 8 spaced --gap seconds apart,
 twice; then each kernel's duration from the profiler, back to back and spaced; and the driver's
-power-capping counter over each phase (timing.power_capped_us).
+power-capping counter over each phase (timing.power_capped_us; the driver updates it in bursts and
+late, so a sub-second phase's value may belong to the phase before).
 
 Back to back, long fp8 GEMMs can pass the board's power limit; the driver then lowers the SM clock
 and the later calls run slower than the first. Spaced calls each start from an idle GPU. Sample
