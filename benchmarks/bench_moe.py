@@ -43,12 +43,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import time
 
 import torch
 import torch.nn.functional as F
 
-from timing import power_capped_us, time_both_us
+from timing import power_capped_share, time_both_us
 
 from dsa_trt.plugins import cuda_ops
 from dsa_trt.plugins.kernel_abi import KernelLibrary
@@ -215,10 +214,8 @@ def header(ab: str = "legacy") -> str:
             f"{ab} µs | anchor µs | anchor | vs anchor |")
 
 
-def capped_share(capped_us: int | None, wall_s: float) -> str:
-    """The share of a timing's wall time that the driver held the clocks down for power ("—" where
-    the counter is not readable)."""
-    return "—" if capped_us is None else f"{min(100.0, 100 * capped_us / 1e6 / wall_s):.0f}%"
+def percent(share: float | None) -> str:
+    return "—" if share is None else f"{100 * share:.0f}%"
 
 
 def format_row(t: int, touched: int, path: str, us: float, ab_us: float | None, anchor_us: float | None,
@@ -284,10 +281,8 @@ def main() -> None:
             ids, weights = uniform_routing(t, g, "cuda")
             touched = int(torch.unique(ids).numel())
             path = lib.moe_path(t, TOP_K, NUM_EXPERTS, I)
-            cap0, wall0 = power_capped_us(), time.perf_counter()
-            ev, us = time_both_us(Moe(x, ids, weights, w13, s13, w2, s2), flush_buf, args.iters)
-            cap1, wall1 = power_capped_us(), time.perf_counter()
-            capped = capped_share(None if None in (cap0, cap1) else cap1 - cap0, wall1 - wall0)
+            with power_capped_share() as cap:
+                ev, us = time_both_us(Moe(x, ids, weights, w13, s13, w2, s2), flush_buf, args.iters)
             us = us if us is not None else ev
             ab_us = None
             if path.startswith("tma") and args.ab != "none":  # the A/B: the same inputs on --ab's path
@@ -309,14 +304,12 @@ def main() -> None:
                 if loop.why:
                     notes.add(f"_scaled_mm blockwise refused: {loop.why}")
                 del loop
-            row = format_row(t, touched, path, us, ab_us, anchor_us, anchor, capped)
+            row = format_row(t, touched, path, us, ab_us, anchor_us, anchor, percent(cap["share"]))
             if args.kernels:
-                cap0, wall0 = power_capped_us(), time.perf_counter()
-                for name, kus in kernel_breakdown(Moe(x, ids, weights, w13, s13, w2, s2), flush_buf):
-                    print(f"#   T={t} {kus:10.1f} µs  {name[:110]}", flush=True)
-                cap1, wall1 = power_capped_us(), time.perf_counter()
-                print(f"#   T={t} power-capped {capped_share(None if None in (cap0, cap1) else cap1 - cap0, wall1 - wall0)}"
-                      " of the profile", flush=True)
+                with power_capped_share() as kcap:
+                    for name, kus in kernel_breakdown(Moe(x, ids, weights, w13, s13, w2, s2), flush_buf):
+                        print(f"#   T={t} {kus:10.1f} µs  {name[:110]}", flush=True)
+                print(f"#   T={t} power-capped {percent(kcap['share'])} of the profile", flush=True)
         except torch.OutOfMemoryError:
             row = f"| {t} | OOM | | | | | | | | | | | | |"
         except (RuntimeError, ValueError) as e:  # the op's refusals: NotImplementedError, ValueError

@@ -50,6 +50,18 @@ def power_capped_us(device: int | None = None) -> int | None:
     return None
 
 
+@contextmanager
+def power_capped_share():
+    """`with power_capped_share() as cap:` ... then cap["share"]: the fraction of the block's wall time
+    that power_capped_us counted (at most 1; None where the counter is not readable)."""
+    cap: dict[str, float | None] = {"share": None}
+    before, t0 = power_capped_us(), time.perf_counter()
+    yield cap
+    after, wall = power_capped_us(), time.perf_counter() - t0
+    if before is not None and after is not None and wall > 0:
+        cap["share"] = min(1.0, (after - before) / 1e6 / wall)
+
+
 def capture_graph(fn) -> torch.cuda.CUDAGraph:
     """One call (one-time kernel attributes), two on a side stream, then a CUDA graph of fn."""
     fn()
