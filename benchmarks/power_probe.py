@@ -32,24 +32,9 @@ from torch.profiler import ProfilerActivity, profile
 
 from bench_fp8_linear import Linear, random_weight, scaled_mm_fn
 from bench_moe import D, Moe, load_and_experts, uniform_routing
-from timing import capture_graph, flush_l2, power_capped_us
+from timing import capture_graph, event_times_us, flush_l2, power_capped_us
 
 from dsa_trt.plugins import cuda_ops
-
-
-def event_times(run, flush, n: int, gap: float) -> list[float]:
-    out = []
-    for _ in range(n):
-        if gap:
-            time.sleep(gap)
-        flush_l2(flush)
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        run()
-        b.record()
-        b.synchronize()
-        out.append(a.elapsed_time(b) * 1e3)
-    return out
 
 
 def kernel_times(run, flush, n: int, gap: float) -> dict[str, list[float]]:
@@ -83,7 +68,7 @@ def probe_moe(tokens: int, gap_s: float) -> None:
     for label, run in (("graph", graph.replay), ("eager", op)):
         for gap in (0.0, gap_s, 0.0, gap_s):
             cap = power_capped_us()
-            v = event_times(run, flush, 8, gap)
+            v = event_times_us(run, 8, flush, gap)
             print(f"{label} {'back to back' if gap == 0 else f'{gap * 1e3:.0f} ms apart':>13}: median "
                   f"{statistics.median(v):9.1f}  min {min(v):9.1f}  max {max(v):9.1f}  power-capped {capped_ms(cap)}  "
                   f"calls {' '.join(f'{u:.0f}' for u in v)}", flush=True)

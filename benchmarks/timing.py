@@ -79,17 +79,22 @@ def capture_graph(fn) -> torch.cuda.CUDAGraph:
     return graph
 
 
-def _events_us(graph: torch.cuda.CUDAGraph, flush_buf, iters: int) -> float:
+def event_times_us(run, iters: int, flush_buf: torch.Tensor | None = None, gap_s: float = 0.0) -> list[float]:
+    """µs of each of `iters` calls of run, CUDA events around the call; before each, a gap_s sleep
+    (an idle GPU) and an L2 flush where flush_buf is given."""
     times = []
     for _ in range(iters):
-        flush_l2(flush_buf)
+        if gap_s:
+            time.sleep(gap_s)
+        if flush_buf is not None:
+            flush_l2(flush_buf)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        graph.replay()
+        run()
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(times)
+    return times
 
 
 def kernel_names(fn) -> tuple[str, ...]:
@@ -145,7 +150,7 @@ def time_both_us(fn, flush_buf, iters: int) -> tuple[float, float | None]:
     the end event) to a short call; the profiler span is the peers' measure.
     Falls back to profiling eager calls if the profiler reports no kernels inside graph replays."""
     graph = capture_graph(fn)
-    events = _events_us(graph, flush_buf, iters)
+    events = statistics.median(event_times_us(graph.replay, iters, flush_buf))
     kernels = kernel_span_us(graph.replay, lambda: flush_l2(flush_buf), iters)
     if kernels is None:
         kernels = kernel_span_us(fn, lambda: flush_l2(flush_buf), iters)
@@ -163,15 +168,7 @@ def time_eager_us(fn, iters: int = 50, warmup: int = 10) -> float:
     """Median µs of one eager call (launch path included), no L2 flush."""
     for _ in range(warmup):
         fn()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return statistics.median(times)
+    return statistics.median(event_times_us(fn, iters))
 
 
 def time_wall_us(fn, iters: int = 50, warmup: int = 10) -> float:
