@@ -3,9 +3,9 @@
 // out[t, n] = sum_kb s_x[t, kb] * s_w[n / 128, kb] * sum_{k in kb} q[t, k] * w[n, k], the fp32 inner
 // sums per 128-wide K block from e4m3 wgmma (dsa_moe_kernels.h gives the numerics).
 //
-// A CTA is 384 threads: warpgroup 0 is the producer (one thread issues every TMA load; the other
-// 127 idle), warpgroups 1 and 2 are the consumers. Each computes a 64-row half of the
-// CTA's 128-row wgmma M. Two tilings of the same kernel, kSwap:
+// A CTA is 384 threads: warpgroup 0 is the producer (one thread issues every TMA load, three in the
+// grouped GEMM; the others idle), warpgroups 1 and 2 are the consumers. Each computes a 64-row half
+// of the CTA's 128-row wgmma M. Two tilings of the same kernel, kSwap:
 //   false (prefill, T > 64): M = 128 tokens, N = 128 weight rows; a consumer runs m64n128k32.
 //   true  (decode, T <= 64): "swap AB", M = 128 weight rows, N = BT tokens (8..64), m64nBTk32:
 //          decode is bound by the weight read, and 128 tokens of M would be mostly padding.
@@ -184,6 +184,22 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
       "r"(parity)
       : "memory");
 }
+// The same with a suspend-time hint: ptxas puts NANOSLEEP.SYNCS in the retry path, so a waiting
+// thread sleeps until the barrier changes (or 50 us pass) instead of spinning in issue slots that
+// the consumer warps of its SM sub-partition need (cuBLASLt's GEMM waits this way).
+__device__ __forceinline__ void mbar_wait_sleep(uint32_t bar, uint32_t parity) {
+  asm volatile(
+      "{\n"
+      ".reg .pred P1;\n"
+      "WS_WAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1, 50000;\n"
+      "@P1 bra WS_DONE;\n"
+      "bra WS_WAIT;\n"
+      "WS_DONE:\n"
+      "}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
 // 2-D tensor tile (c0 inner, c1 outer) -> shared memory, completing on `bar`'s transaction count.
 __device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map, uint32_t bar, int c0, int c1) {
   asm volatile(
@@ -294,16 +310,29 @@ __device__ __forceinline__ Unit unit_of(const WsArgs& g, int u, int rank) {
 // shared weight tile, the latter multicast into both CTAs (grouped: its own weight tile, its scales
 // and token rows [64 rank, +64) of the shared token tile, multicast); a stage is refilled once the
 // consumers of both CTAs released it (each consumer warp arrives on both CTAs' empty barriers).
-template <bool kSwap, int BT, int kMc, bool kTmaStore, bool kSwiGLU, bool kXPairs>
+//
+// The grouped GEMM (kXPairs) splits the producer into three threads (lane 0 of the producer
+// warpgroup's warps 0, 1, 2) that run the same iteration sequence, each issuing one operand of every
+// stage: kProdW the stage's arrive.expect_tx (all its bytes) and its weight rows, kProdX the token
+// rows, kProdS the token scales; each waits for the stage's release itself, sleeping in the wait
+// (mbar_wait_sleep). kProdX's or kProdS's bytes may land before kProdW's expect_tx (the tx-count
+// goes negative within the phase, as with a peer's multicast), and none can run a round ahead of
+// kProdW: the release of round r needs full[s] of round r, which needs kProdW's arrival. The
+// linear keeps one thread for all three (kProdAll): the split made its short-K shapes slower
+// (docs/history/2026-12-07-fp8-gemm-producer.md).
+enum ProducerRole { kProdAll, kProdW, kProdX, kProdS };
+template <int role, bool kSwap, int BT, int kMc, bool kTmaStore, bool kSwiGLU, bool kXPairs>
 __device__ __forceinline__ void producer(const WsArgs& g, const CUtensorMap* map_w, const CUtensorMap* map_x,
                                          const CUtensorMap* map_s, uint8_t* smem, uint32_t full0, uint32_t empty0,
                                          int units, int cluster, int clusters, int rank) {
   using L = WsTile<kSwap, BT, kTmaStore>;
   constexpr int S = L::kStages;
+  constexpr bool kLoadW = role == kProdAll || role == kProdW, kLoadX = role == kProdAll || role == kProdX,
+                 kLoadS = role == kProdAll || role == kProdS;
   const uint32_t base = smem_u32(smem);
-  tma_prefetch_desc(map_w);
-  tma_prefetch_desc(map_x);
-  tma_prefetch_desc(map_s);
+  if constexpr (kLoadW) tma_prefetch_desc(map_w);
+  if constexpr (kLoadX) tma_prefetch_desc(map_x);
+  if constexpr (kLoadS) tma_prefetch_desc(map_s);
   constexpr int kWRows = kTileM / kMc;  // the linear's weight rows this CTA loads per stage
   constexpr int kSubs = kSwiGLU ? 2 : 1;  // K passes per unit
   const uint32_t w_off = rank * kWRows * kBlock;
@@ -323,15 +352,21 @@ __device__ __forceinline__ void producer(const WsArgs& g, const CUtensorMap* map
   // Weight tiles of the first S iterations (every stage starts empty), before the activations exist.
   // (The expect_tx covers the whole stage: a peer's multicast may land before or after it.)
   int pre = 0;
-  for (int u = cluster; u < units && pre < S; u += clusters) {
-    const Unit w = unit_of<BT, kMc>(g, u, rank);
-    for (int sub = 0; sub < kSubs && pre < S; ++sub)
-      for (int kb = w.kb_begin; kb < w.kb_end && pre < S; ++kb, ++pre) {
-        mbar_arrive_expect_tx(full0 + 8 * pre, L::kTxBytes + 4 * g.s_box);
-        load_w(base + pre * L::kStage, full0 + 8 * pre, kb, w.w_row, sub);
-      }
+  if constexpr (kLoadW) {
+    for (int u = cluster; u < units && pre < S; u += clusters) {
+      const Unit w = unit_of<BT, kMc>(g, u, rank);
+      for (int sub = 0; sub < kSubs && pre < S; ++sub)
+        for (int kb = w.kb_begin; kb < w.kb_end && pre < S; ++kb, ++pre) {
+          mbar_arrive_expect_tx(full0 + 8 * pre, L::kTxBytes + 4 * g.s_box);
+          load_w(base + pre * L::kStage, full0 + 8 * pre, kb, w.w_row, sub);
+        }
+    }
   }
-  dsa_pdl_wait();  // the quantised activations and their scales are written
+  // kProdW reads nothing the previous kernel writes: it lets the dependents launch without waiting
+  if constexpr (role == kProdW)
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+  else
+    dsa_pdl_wait();  // the quantised activations and their scales are written
   int i = 0, s = 0;
   uint32_t phase = 0;
   for (int u = cluster; u < units; u += clusters) {
@@ -339,18 +374,27 @@ __device__ __forceinline__ void producer(const WsArgs& g, const CUtensorMap* map
     for (int sub = 0; sub < kSubs; ++sub)
       for (int kb = w.kb_begin; kb < w.kb_end; ++kb, ++i) {
         const uint32_t full = full0 + 8 * s, st = base + s * L::kStage;
-        if (i >= pre) {
-          mbar_wait(empty0 + 8 * s, phase ^ 1);
-          mbar_arrive_expect_tx(full, L::kTxBytes + 4 * g.s_box);
-          load_w(st, full, kb, w.w_row, sub);
+        // kProdX / kProdS wait in round 0 too: the phase "before" the first reports complete
+        if constexpr (role == kProdAll) {
+          if (i >= pre) mbar_wait(empty0 + 8 * s, phase ^ 1);
+        } else if (role != kProdW || i >= pre) {
+          mbar_wait_sleep(empty0 + 8 * s, phase ^ 1);
         }
-        if constexpr (x_pairs)  // rows [64 rank, +64) of the token tile (64-row boxes; rows past P are never stored)
-          tma_load_2d_multicast(st + L::kW + rank * 64 * kBlock, map_x, full, kb * kBlock,
-                                min(w.t_load + 64 * rank, g.x_rows - 1),
-                                static_cast<uint16_t>((1u << kMc) - 1));
-        else
-          tma_load_2d(st + L::kW, map_x, full, kb * kBlock, w.t_load);
-        tma_load_2d(st + L::kW + L::kX, map_s, full, w.t_load & ~3, kb);
+        if constexpr (kLoadW) {
+          if (i >= pre) {
+            mbar_arrive_expect_tx(full, L::kTxBytes + 4 * g.s_box);
+            load_w(st, full, kb, w.w_row, sub);
+          }
+        }
+        if constexpr (kLoadX) {
+          if constexpr (x_pairs)  // rows [64 rank, +64) of the token tile (64-row boxes; rows past P are never stored)
+            tma_load_2d_multicast(st + L::kW + rank * 64 * kBlock, map_x, full, kb * kBlock,
+                                  min(w.t_load + 64 * rank, g.x_rows - 1),
+                                  static_cast<uint16_t>((1u << kMc) - 1));
+          else
+            tma_load_2d(st + L::kW, map_x, full, kb * kBlock, w.t_load);
+        }
+        if constexpr (kLoadS) tma_load_2d(st + L::kW + L::kX, map_s, full, w.t_load & ~3, kb);
         if (++s == S) {
           s = 0;
           phase ^= 1;
@@ -758,10 +802,25 @@ __global__ void __launch_bounds__(kThreads, 1)
     cluster_sync();  // the peer's barriers exist before any multicast or remote arrival
   if (threadIdx.x < 128) {
     setmaxnreg_dec<kProducerRegs>();
-    if (threadIdx.x == 0)
-      producer<kSwap, BT, kMc, kTmaStore, kSwiGLU, kXPairs>(g, &map_w, &map_x, &map_s, smem, full0, empty0, units, cluster, clusters, rank);
-    // the rest of the producer warpgroup has no work (its dependents may launch: no global access)
-    else asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+    if constexpr (kXPairs) {
+      if (threadIdx.x == 0)
+        producer<kProdW, kSwap, BT, kMc, kTmaStore, kSwiGLU, kXPairs>(g, &map_w, &map_x, &map_s, smem, full0, empty0,
+                                                                      units, cluster, clusters, rank);
+      else if (threadIdx.x == 32)
+        producer<kProdX, kSwap, BT, kMc, kTmaStore, kSwiGLU, kXPairs>(g, &map_w, &map_x, &map_s, smem, full0, empty0,
+                                                                      units, cluster, clusters, rank);
+      else if (threadIdx.x == 64)
+        producer<kProdS, kSwap, BT, kMc, kTmaStore, kSwiGLU, kXPairs>(g, &map_w, &map_x, &map_s, smem, full0, empty0,
+                                                                      units, cluster, clusters, rank);
+      else
+        asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+    } else if (threadIdx.x == 0) {
+      producer<kProdAll, kSwap, BT, kMc, kTmaStore, kSwiGLU, kXPairs>(g, &map_w, &map_x, &map_s, smem, full0, empty0,
+                                                                      units, cluster, clusters, rank);
+    } else {
+      // the rest of the producer warpgroup has no work (its dependents may launch: no global access)
+      asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+    }
   } else {
     setmaxnreg_inc<kConsumerRegs>();
     // Consumers read only what the producer's TMA loads (ordered by the mbarriers) and w_scale
