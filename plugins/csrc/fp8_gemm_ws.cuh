@@ -171,35 +171,26 @@ __device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t byt
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
 }
 // Blocks until the phase of parity `parity` completed (acquire: the TMA-written bytes are visible).
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-  asm volatile(
-      "{\n"
-      ".reg .pred P1;\n"
-      "WS_WAIT:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1;\n"
-      "@P1 bra WS_DONE;\n"
-      "bra WS_WAIT;\n"
-      "WS_DONE:\n"
-      "}\n" ::"r"(bar),
-      "r"(parity)
-      : "memory");
-}
-// The same with a suspend-time hint: ptxas puts NANOSLEEP.SYNCS in the retry path, so a waiting
+// kSleep adds a suspend-time hint: ptxas then puts NANOSLEEP.SYNCS in the retry path, so a waiting
 // thread sleeps until the barrier changes (or 50 us pass) instead of spinning in issue slots that
 // the consumer warps of its SM sub-partition need (cuBLASLt's GEMM waits this way).
-__device__ __forceinline__ void mbar_wait_sleep(uint32_t bar, uint32_t parity) {
-  asm volatile(
-      "{\n"
-      ".reg .pred P1;\n"
-      "WS_WAIT:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1, 50000;\n"
-      "@P1 bra WS_DONE;\n"
-      "bra WS_WAIT;\n"
-      "WS_DONE:\n"
-      "}\n" ::"r"(bar),
-      "r"(parity)
-      : "memory");
+#define DSA_WS_WAIT_ASM(HINT)                                            \
+  "{\n"                                                                  \
+  ".reg .pred P1;\n"                                                     \
+  "WS_WAIT:\n"                                                           \
+  "mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1" HINT ";\n"     \
+  "@P1 bra WS_DONE;\n"                                                   \
+  "bra WS_WAIT;\n"                                                       \
+  "WS_DONE:\n"                                                           \
+  "}\n"
+template <bool kSleep = false>
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  if constexpr (kSleep)
+    asm volatile(DSA_WS_WAIT_ASM(", 50000")::"r"(bar), "r"(parity) : "memory");
+  else
+    asm volatile(DSA_WS_WAIT_ASM("")::"r"(bar), "r"(parity) : "memory");
 }
+#undef DSA_WS_WAIT_ASM
 // 2-D tensor tile (c0 inner, c1 outer) -> shared memory, completing on `bar`'s transaction count.
 __device__ __forceinline__ void tma_load_2d(uint32_t dst, const CUtensorMap* map, uint32_t bar, int c0, int c1) {
   asm volatile(
@@ -315,7 +306,7 @@ __device__ __forceinline__ Unit unit_of(const WsArgs& g, int u, int rank) {
 // warpgroup's warps 0, 1, 2) that run the same iteration sequence, each issuing one operand of every
 // stage: kProdW the stage's arrive.expect_tx (all its bytes) and its weight rows, kProdX the token
 // rows, kProdS the token scales; each waits for the stage's release itself, sleeping in the wait
-// (mbar_wait_sleep). kProdX's or kProdS's bytes may land before kProdW's expect_tx (the tx-count
+// (mbar_wait<true>). kProdX's or kProdS's bytes may land before kProdW's expect_tx (the tx-count
 // goes negative within the phase, as with a peer's multicast), and none can run a round ahead of
 // kProdW: the release of round r needs full[s] of round r, which needs kProdW's arrival. The
 // linear keeps one thread for all three (kProdAll): the split made its short-K shapes slower
@@ -378,7 +369,7 @@ __device__ __forceinline__ void producer(const WsArgs& g, const CUtensorMap* map
         if constexpr (role == kProdAll) {
           if (i >= pre) mbar_wait(empty0 + 8 * s, phase ^ 1);
         } else if (role != kProdW || i >= pre) {
-          mbar_wait_sleep(empty0 + 8 * s, phase ^ 1);
+          mbar_wait<true>(empty0 + 8 * s, phase ^ 1);
         }
         if constexpr (kLoadW) {
           if (i >= pre) {
