@@ -456,6 +456,12 @@ __device__ __forceinline__ void consumer(const WsArgs& g, const CUtensorMap* map
   // the operands' shared addresses, warp-uniform to ptxas: the wgmma descriptors stay in uniform
   // registers (from threadIdx or a generic pointer, every k32 step's went through R2UR)
   const uint32_t ring_u = dsa_ptx::warp_uniform(smem_u32(smem));
+  if constexpr (kSwiGLU) {
+    // with three producer threads beside it, ptxas kept the fused kernel's ring addresses in
+    // per-thread registers (tests/test_kernel_sass.py); the broadcast makes them uniform again
+    full0 = dsa_ptx::warp_uniform(full0);
+    empty0 = dsa_ptx::warp_uniform(empty0);
+  }
   const uint32_t a_off = dsa_ptx::warp_uniform(static_cast<uint32_t>(c * 64 * kBlock));
   // Prefill: warpgroup 1 issues a K block's wgmmas only after warpgroup 0 issued its own (named
   // barrier 4 of both, once per K block: point 0 before warpgroup 1's issue, point 1 after
