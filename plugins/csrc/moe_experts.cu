@@ -285,6 +285,7 @@ __global__ void __launch_bounds__(256) moe_swiglu_kernel(const uint16_t* __restr
 }
 
 // ---------------------------------------------------------------- 6. combine
+constexpr int kCombineLoads = 8;
 __global__ void __launch_bounds__(256) moe_combine_kernel(const uint16_t* __restrict__ y, const int32_t* pair_pos,
                                                            const float* __restrict__ topk_weights, int top_k, int d,
                                                            float* __restrict__ out, int vec) {
@@ -321,13 +322,21 @@ __global__ void __launch_bounds__(256) moe_combine_kernel(const uint16_t* __rest
   if (vec) {  // 8 columns per thread: one 16-byte load per pair, two 16-byte stores
     for (int c = 8 * threadIdx.x; c < d; c += 8 * blockDim.x) {
       float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-      for (int j = 0; j < n_local; ++j) {
-        const uint4 u = *reinterpret_cast<const uint4*>(y + static_cast<int64_t>(pos[j]) * d + c);
-        const uint32_t w4[4] = {u.x, u.y, u.z, u.w};
+      for (int j0 = 0; j0 < n_local; j0 += kCombineLoads) {  // the loads of kCombineLoads pairs in flight together
+        uint4 u[kCombineLoads];
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          acc[2 * e] = __fadd_rn(acc[2 * e], __fmul_rn(wt[j], __uint_as_float(w4[e] << 16)));
-          acc[2 * e + 1] = __fadd_rn(acc[2 * e + 1], __fmul_rn(wt[j], __uint_as_float(w4[e] & 0xFFFF0000u)));
+        for (int i = 0; i < kCombineLoads; ++i)
+          if (j0 + i < n_local) u[i] = *reinterpret_cast<const uint4*>(y + static_cast<int64_t>(pos[j0 + i]) * d + c);
+#pragma unroll
+        for (int i = 0; i < kCombineLoads; ++i) {
+          if (j0 + i >= n_local) break;
+          const float w = wt[j0 + i];
+          const uint32_t w4[4] = {u[i].x, u[i].y, u[i].z, u[i].w};
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            acc[2 * e] = __fadd_rn(acc[2 * e], __fmul_rn(w, __uint_as_float(w4[e] << 16)));
+            acc[2 * e + 1] = __fadd_rn(acc[2 * e + 1], __fmul_rn(w, __uint_as_float(w4[e] & 0xFFFF0000u)));
+          }
         }
       }
       float4* o = reinterpret_cast<float4*>(out + t * d + c);
