@@ -118,7 +118,7 @@ enum class Path { kAuto, kTma, kTmaNoMc, kTmaPipe, kTmaStore, kTmaSwap, kLegacy 
 constexpr int kSwapMaxTokens = 64;  // the widest swapped token tile
 constexpr int kPlanSms = 132;       // H200 SMs: the plan must not depend on the device (workspace size)
 // act_quant's blocks per warp. Four loads in flight per lane took T=8192 x K=7168 from ~170 to ~163
-// µs of op time on an H100 (kv_a), but cost 0.6-1.5 µs at T=1, where the grid is a few CTAs and
+// µs of op time on an H100 (kv_a), but cost 0.6-1.6 µs at T=1, where the grid is a few CTAs and
 // the four blocks' reductions run one after another: four only once one block per warp would be
 // more warps than the GPU holds at once (kPlanSms x 64).
 inline int aq_groups(int64_t num_tokens, int nkb) { return num_tokens * nkb > 64LL * kPlanSms ? 4 : 1; }
