@@ -38,8 +38,8 @@
 namespace dsa_fp8 {
 
 // ---------------------------------------------------------------- kernels
-// One warp per (token t, G consecutive 1x128 K blocks), their loads issued together (one 8-byte load
-// per lane and block); lane i stores block i's scale. Scales go to scale[t * st_t + kb * st_kb]:
+// One warp per (token t, G consecutive 1x128 K blocks), their loads issued together (one 8-byte
+// load per lane and block); lane i stores block i's scale. Scales go to scale[t * st_t + kb * st_kb]:
 // [T, nkb] for the legacy GEMM, transposed [nkb, T_pad] for the TMA GEMMs (a tile's token scales of
 // one K block are one contiguous box). G: aq_groups.
 template <int G>
