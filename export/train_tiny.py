@@ -106,6 +106,11 @@ class Recipe:
     # the corpus is over-confident on unseen text without it (MEMORISING_ARGS; the history note).
     label_smoothing: float = 0.0
     grad_clip: float = 1.0
+    # Relative Gaussian noise on every main decoder layer's attention and MLP outputs during the
+    # main run (0 in the committed run): the roundings an engine adds (bf16 activations, then the
+    # e4m3 roundings they flip downstream) must not move the logits, so the run is trained under
+    # perturbations of that kind.
+    act_noise: float = 0.0
     bias_update_speed: float = 1e-3  # DeepSeek-V3's gamma for the expert-balancing bias
     log_every: int = 10
     # MTP self-distillation, after the main run (distill_mtp): the MTP layer alone learns the
@@ -273,6 +278,8 @@ def train(recipe: Recipe = Recipe(), log=print):
     recorder = Recorder(attentions, routers)
     for tap in recorder.taps:
         tap.rows = recipe.indexer_rows
+    noise = [m.register_forward_hook(_noise_hook(recipe.act_noise))
+             for layer in main.model.layers for m in (layer.self_attn, layer.mlp)] if recipe.act_noise else []
     layer_inputs: dict = {}
     capture = main.model.layers[0].register_forward_pre_hook(
         lambda module, args, kwargs: layer_inputs.update(kwargs), with_kwargs=True
@@ -322,8 +329,21 @@ def train(recipe: Recipe = Recipe(), log=print):
             )
     capture.remove()
     recorder.remove()
+    for hook in noise:
+        hook.remove()
     _set_index_topk(attentions, index_topk)
     return main.cpu().eval(), mtp.cpu().eval()
+
+
+def _noise_hook(scale: float):
+    """A forward hook multiplying a module's (first) output by 1 + scale * N(0, 1), elementwise."""
+
+    def hook(module, args, output):
+        first = output[0] if isinstance(output, tuple) else output
+        noisy = first * (1 + scale * torch.randn_like(first))
+        return (noisy, *output[1:]) if isinstance(output, tuple) else noisy
+
+    return hook
 
 
 @torch.no_grad()
@@ -629,6 +649,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lr", type=float, default=Recipe.lr, help="peak learning rate of the main run")
     parser.add_argument("--distill-lr", type=float, default=Recipe.distill_lr)
     parser.add_argument("--label-smoothing", type=float, default=Recipe.label_smoothing)
+    parser.add_argument("--weight-decay", type=float, default=Recipe.weight_decay)
+    parser.add_argument("--act-noise", type=float, default=Recipe.act_noise,
+                        help="relative noise on the main layers' attention / MLP outputs during the main run")
     parser.add_argument("--distill-novel", type=float, default=Recipe.distill_novel,
                         help="fraction of the distillation prompts spliced from two training fragments")
     parser.add_argument("--device", default=Recipe.device,
@@ -643,6 +666,9 @@ def main(argv: list[str] | None = None) -> None:
         parser.error("--distill-steps must be >= 0 and --distill-prompts >= 1")
     if args.batch < 1 or args.lr <= 0 or args.distill_lr <= 0:
         parser.error("--batch must be >= 1 and --lr / --distill-lr > 0")
+    for flag, value in (("--weight-decay", args.weight_decay), ("--act-noise", args.act_noise)):
+        if value < 0:
+            parser.error(f"{flag} {value} must be >= 0")
     if not 0 <= args.label_smoothing < 1 or not 0 <= args.distill_novel <= 1:
         parser.error(f"--label-smoothing {args.label_smoothing} must lie in [0, 1) and --distill-novel "
                      f"{args.distill_novel} in [0, 1]")
@@ -657,7 +683,7 @@ def main(argv: list[str] | None = None) -> None:
     recipe = Recipe(seed=args.seed, steps=args.steps, dense_steps=args.dense_steps, batch=args.batch, lr=args.lr,
                     distill_steps=args.distill_steps, distill_prompts=args.distill_prompts,
                     distill_lr=args.distill_lr, device=args.device, label_smoothing=args.label_smoothing,
-                    distill_novel=args.distill_novel)
+                    distill_novel=args.distill_novel, weight_decay=args.weight_decay, act_noise=args.act_noise)
     start, start_cpu = time.perf_counter(), time.process_time()
     weights = args.out
     if args.eval_only is not None:  # report only, on an existing file
@@ -686,7 +712,18 @@ def main(argv: list[str] | None = None) -> None:
 
 
 MAIN_RUN_FIELDS = ("seed", "steps", "dense_steps", "batch", "seq_len", "line_start_fraction", "indexer_rows", "lr",
-                   "min_lr_ratio", "warmup_steps", "weight_decay", "label_smoothing", "grad_clip", "bias_update_speed")
+                   "min_lr_ratio", "warmup_steps", "weight_decay", "label_smoothing", "grad_clip", "bias_update_speed",
+                   "act_noise")
+
+
+def recipe_differs(recorded: str, recipe: Recipe, fields=None) -> list[str]:
+    """The fields (all, or ``fields``) in which a weights file's recorded recipe (its repr) differs
+    from ``recipe``; a field the recorded recipe predates reads as its default."""
+    from dataclasses import fields as dataclass_fields
+
+    names = fields or [f.name for f in dataclass_fields(Recipe)]
+    return [n for n in names if f"{n}={getattr(recipe, n)!r}" not in recorded
+            and (f" {n}=" in recorded or f"({n}=" in recorded or getattr(recipe, n) != getattr(Recipe(), n))]
 
 
 def main_run_tensors(weights: Path, recipe: Recipe) -> dict[str, torch.Tensor]:
@@ -699,9 +736,7 @@ def main_run_tensors(weights: Path, recipe: Recipe) -> dict[str, torch.Tensor]:
         raise SystemExit(f"--distill-from {weights}: no such file (a weights file written by this script)")
     with safe_open(str(weights), "pt") as f:
         recorded = (f.metadata() or {}).get("recipe", "")
-    # a field the recorded recipe predates reads as its default
-    differ = [n for n in MAIN_RUN_FIELDS if f"{n}={getattr(recipe, n)!r}" not in recorded
-              and (f" {n}=" in recorded or getattr(recipe, n) != getattr(Recipe(), n))]
+    differ = recipe_differs(recorded, recipe, MAIN_RUN_FIELDS)
     if differ:
         raise SystemExit(f"--distill-from {weights}: its main run differs from this recipe's in {', '.join(differ)} "
                          f"(recorded {recorded or 'no recipe'}); pass the same --seed / --steps / --dense-steps")
