@@ -244,9 +244,10 @@ def test_greedy_continues_corpus_text(trained_hf, random_hf, one_thread):
     trained, random = _corpus_match(trained_hf, pairs), _corpus_match(random_hf, pairs)
     print(f"greedy tokens equal to the corpus continuation: trained {trained:.1%}, random {random:.1%}")
     # Margins, not measured values: a random model matches ~1/vocab of the tokens (0.4%), the
-    # earlier 150-step model 3%; the committed 600-step one ~10%, not yet memorised text.
+    # earlier 150-step model 3%, the 600-step one ~10%; the committed weights (trained under
+    # activation noise: held-out perplexity 81 against 98) recall training text less literally, 4.3%.
     assert random < 0.02, random
-    assert trained > 0.05, (trained, random)
+    assert trained > 0.03, (trained, random)
 
 
 def test_greedy_continuation_of_heldout_lines_is_not_degenerate(trained_hf, heldout, one_thread):
@@ -304,7 +305,8 @@ def test_distilled_mtp_drafts_what_the_main_model_decodes(trained_ckpt, trained_
     """What speculative decoding accepts: on the main model's greedy continuations of held-out
     prompts (16 tokens, as `dsa-trt bench --prompt-len 16`), the MTP top-1 draft of t_{i+2} equals
     the main model's greedy token. The layer is self-distilled on such text (train_tiny.distill_mtp):
-    the next-next-token objective alone gave 21.0% here, the distilled layer 36.3%."""
+    the next-next-token objective alone gave 21.0% here, the distilled layer 70.3% (2026-12-08's
+    weights; 36.3% on the 600-step weights before them)."""
     mtp = load_mtp(trained_ckpt)
     agree = drafted = 0
     for ids in heldout:
@@ -312,7 +314,7 @@ def test_distilled_mtp_drafts_what_the_main_model_decodes(trained_ckpt, trained_
         a, n = mtp_agreement(trained_hf, mtp, out, start=15)
         agree, drafted = agree + a, drafted + n
     print(f"MTP agreement on greedy continuations (held-out prompts): {agree / drafted:.1%} of {drafted}")
-    assert agree / drafted > 0.28, (agree, drafted)
+    assert agree / drafted > 0.55, (agree, drafted)
 
 
 # ------------------------------------------------------------------------------ our engine
