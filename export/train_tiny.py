@@ -5,7 +5,8 @@ MODEL.md §7.1 config, using transformers' ``DeepseekV32ForCausalLM`` (fp32, eag
 the trainable main model and :class:`MTPLayer` (HF's decoder layer plus the §5 extras) for the
 next-n layer. Three objectives, each training only its own parameters:
 
-- the main model: next-token cross-entropy (optionally label-smoothed);
+- the main model: next-token cross-entropy (optionally label-smoothed), each decoder layer's
+  attention and MLP outputs multiplied by 1 + act_noise * N(0, 1) in the forward;
 - every indexer (main layers and MTP layer): the V3.2 report's KL objective, KL(p_t || softmax(I_t))
   with p_t the layer's attention distribution summed over heads and L1-normalised, the indexer
   fed detached inputs (the main model gets no gradient from it). Dense warm-up first (top-k off,

@@ -197,7 +197,8 @@ def test_short_training_run_is_bitwise_reproducible(tmp_path):
               check=False)
     assert bad.returncode != 0 and "main run differs from this recipe's in seed" in bad.stderr, bad.stderr
     with safe_open(str(TRAINED_WEIGHTS_PATH), "pt") as f:
-        assert not recipe_differs(f.metadata()["recipe"], Recipe()), "regenerate with `python -m dsa_trt.export.train_tiny`"
+        recorded = f.metadata()["recipe"]
+    assert not recipe_differs(recorded, Recipe()), "regenerate with `python -m dsa_trt.export.train_tiny`"
 
 
 # ------------------------------------------------------------------------------ the model
